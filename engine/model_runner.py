@@ -1,0 +1,136 @@
+"""Runs one scheduled step through a Llama-family model with a paged KV cache.
+
+The weights and the layer modules are transformers' own (so any Llama / Mistral / Qwen2 / Qwen3
+checkpoint transformers loads works); only the attention path and the batch layout are ours: tokens
+of all requests are packed into one [T] batch without padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSeq, paged_attention, write_kv
+from engine.scheduler import SchedulerOutput
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class ModelRunner:
+    def __init__(self, hf_model, num_blocks: int, block_size: int, device: str):
+        self.hf_model = hf_model
+        cfg = hf_model.config
+        self.config = cfg
+        self.device = torch.device(device)
+        self.dtype = next(hf_model.parameters()).dtype
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # NOTE: the one KV tensor of this worker: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
+        # kv_transfer packs and scatters blocks along dim 2.
+        self.kv_cache = torch.zeros(
+            self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        inner = hf_model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
+        self.lm_head = hf_model.lm_head
+        self.scale = self.layers[0].self_attn.scaling
+
+    @staticmethod
+    def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        elem = torch.empty((), dtype=dtype).element_size()
+        return config.num_hidden_layers * 2 * block_size * kv_heads * head_dim * elem
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        sample_rows: list[int] = []
+        for chunk in sched.chunks:
+            req = chunk.request
+            start = req.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            row0 = len(input_ids)
+            tokens = req.all_token_ids
+            input_ids.extend(tokens[start:end])
+            positions.extend(range(start, end))
+            table = req.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if chunk.num_new_tokens == 1:
+                decode_rows.append(row0)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(row0, row0 + chunk.num_new_tokens, start,
+                                           torch.tensor(table[: -(-end // bs)], dtype=torch.long)))
+            if chunk.samples:
+                sample_rows.append(len(input_ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            decode_rows=None, decode_block_tables=None, decode_mask=None, prefills=prefills,
+        )
+        if decode_rows:
+            max_blocks = max(-(-n // bs) for n in decode_lens)
+            tables = torch.zeros(len(decode_rows), max_blocks, dtype=torch.long)
+            for i, t in enumerate(decode_tables):
+                nb = -(-decode_lens[i] // bs)
+                tables[i, :nb] = torch.tensor(t[:nb], dtype=torch.long)
+            lens = torch.tensor(decode_lens)
+            mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+            meta.decode_block_tables = tables.to(dev)
+            meta.decode_mask = mask[:, None, None, :].to(dev)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long, device=dev)
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def run(self, sched: SchedulerOutput) -> torch.Tensor:
+        """Returns fp32 logits [num_sampling_chunks, vocab], in the order of `sched.chunks`."""
+        ids, pos, meta, sample_rows = self._prepare(sched)
+        num_tokens = ids.shape[0]
+        h = self.embed_tokens(ids)
+        cos, sin = self.rotary_emb(h.unsqueeze(0), pos.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            residual = h
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = self.kv_cache[li, 0], self.kv_cache[li, 1]
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = residual + attn.o_proj(o.reshape(num_tokens, -1))
+            residual = h
+            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+        if sample_rows.numel() == 0:
+            return torch.empty(0, self.config.vocab_size)
+        h = self.norm(h[sample_rows])
+        return self.lm_head(h).float()

@@ -1,0 +1,92 @@
+"""A request's state inside one engine (vLLM v1 style: computed tokens catch up with all tokens)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    # Prefill finished in a prefill-only engine: KV blocks are held for export until released.
+    PREFILLED = "prefilled"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+            RequestStatus.PREFILLED,
+        )
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower runs first
+    prefill_only: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    # KV bookkeeping, owned by the scheduler.
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    # Text bookkeeping for stop strings, owned by the engine.
+    output_text: str = ""
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_seq)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    new_token_ids: tokens sampled this step (at most one per step today).
+    token_ids / text: the whole generated part so far (EOS and stop tokens excluded; text cut at a
+    stop string).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    text: str = ""
+    num_prompt_tokens: int = 0
+    # Set for prefill-only requests once prefill is done: the blocks that hold the prompt's KV.
+    block_ids: list[int] | None = None

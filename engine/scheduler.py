@@ -1,0 +1,210 @@
+"""Token-budget scheduler: chunked prefill, mixed steps, preemption by recompute, three batching policies.
+
+Each request has `num_computed_tokens` catching up with `num_tokens` (vLLM v1 style), so a step is
+just "give each scheduled request its next N tokens"; prefill, chunked prefill and decode are the
+same thing with different N.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int  # tokens whose KV this step computes
+    # True when this chunk reaches the end of the request's tokens: the step samples a token for it.
+    samples: bool
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    """Chooses which requests run each step and keeps their block tables.
+
+    It asks the block manager only `blocks_for_tokens / can_allocate / allocate / free`.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []  # kept sorted by (priority, arrival)
+        self.running: list[Request] = []
+        # Prefill-only requests whose KV is held for export, by id.
+        self.prefilled: dict[str, Request] = {}
+        # static/dynamic batching: how many more requests the current batch may still admit.
+        self._batch_quota = 0
+        # Offline use sets this: no more arrivals are coming, so a static batch need not wait to fill.
+        self.draining = False
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue management
+    def add(self, request: Request) -> None:
+        self._insert_waiting(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request whose KV is already in this engine's blocks (imported from a prefill worker)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _insert_waiting(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        key = request.sort_key
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].sort_key > key:
+            i -= 1
+        self.waiting.insert(i, request)
+
+    def abort(self, request_id: str) -> Request | None:
+        for queue in (self.waiting, self.running):
+            for i, req in enumerate(queue):
+                if req.request_id == request_id:
+                    del queue[i]
+                    self._free_blocks(req)
+                    req.status = RequestStatus.FINISHED_ABORTED
+                    return req
+        req = self.prefilled.pop(request_id, None)
+        if req is not None:
+            self._free_blocks(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+        return req
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Called by the engine after postprocessing decides a request is done."""
+        self.running.remove(request)
+        request.status = status
+        if status is RequestStatus.PREFILLED:
+            self.prefilled[request.request_id] = request  # blocks stay until release()
+        else:
+            self._free_blocks(request)
+
+    def release_prefilled(self, request_id: str) -> bool:
+        req = self.prefilled.pop(request_id, None)
+        if req is None:
+            return False
+        self._free_blocks(req)
+        return True
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.block_table:
+            self.block_manager.free(request.block_table)
+            request.block_table = []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ scheduling
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        # NOTE: preemption by recompute: drop the KV, keep the tokens; on readmission the whole
+        # prompt + generated tokens are prefilled again and sampling continues where it stopped.
+        self.running.remove(request)
+        self._free_blocks(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.config.batching != "continuous":
+            self._batch_quota += 1  # it stays part of the batch it was admitted in
+        self._insert_waiting(request)
+        out.preempted.append(request)
+
+    def _admission_open(self) -> bool:
+        policy = self.config.batching
+        if policy == "continuous":
+            return True
+        if self._batch_quota > 0:
+            return True
+        if self.running or not self.waiting:
+            return False
+        # The previous batch has run to completion; form the next one.
+        full = len(self.waiting) >= self.config.max_num_seqs
+        waited = time.monotonic() - min(r.arrival_time for r in self.waiting)
+        if full or self.draining or (policy == "dynamic" and waited >= self.config.max_wait_s):
+            self._batch_quota = min(self.config.max_num_seqs, len(self.waiting))
+            return True
+        return False
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+        bm = self.block_manager
+        scheduled_ids: set[int] = set()
+
+        # 1. Running requests, highest priority first; preempt from the back when blocks run out.
+        self.running.sort(key=lambda r: r.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    i += 1
+                    continue
+                num_new = budget
+            need = bm.blocks_for_tokens(req.num_computed_tokens + num_new) - len(req.block_table)
+            while need > bm.num_free_blocks:
+                victim = self.running[-1]
+                if id(victim) in scheduled_ids:
+                    break
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # preempted itself: nothing behind it can run either
+            if need > bm.num_free_blocks:
+                break
+            if need > 0:
+                req.block_table.extend(bm.allocate(need))
+            samples = req.num_computed_tokens + num_new == req.num_tokens
+            out.chunks.append(ScheduledChunk(req, num_new, samples))
+            scheduled_ids.add(id(req))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, unless this step had to preempt (then memory is the bottleneck).
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if not self._admission_open():
+                break
+            req = self.waiting[0]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                if not chunked:
+                    break
+                num_new = budget
+            need = bm.blocks_for_tokens(req.num_computed_tokens + num_new) - len(req.block_table)
+            if need > bm.num_free_blocks:
+                break
+            self.waiting.pop(0)
+            if self.config.batching != "continuous":
+                self._batch_quota -= 1
+            if need > 0:
+                req.block_table.extend(bm.allocate(need))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            samples = req.num_computed_tokens + num_new == req.num_tokens
+            out.chunks.append(ScheduledChunk(req, num_new, samples))
+            budget -= num_new
+        return out
+
+    def postprocess_chunk(self, chunk: ScheduledChunk) -> None:
+        chunk.request.num_computed_tokens += chunk.num_new_tokens
