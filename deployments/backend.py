@@ -1,0 +1,283 @@
+"""What the ingress talks to: a `GenerateBackend` turns prompt token ids into a stream of `TokenDelta`s.
+
+Two implementations share the protocol:
+- `LocalEngineBackend` (here): one `LLMEngine` stepped by one background thread in this process
+  ("colocated" mode; what the ingress tests use).
+- the Ray router backend (deployments/router*): prefill and decode pools behind the router.
+
+```
+ event loop(s)                         engine thread (owns the LLMEngine)
+ generate() ──register stream──▶ _commands ──▶ add_request / abort / call
+   ▲                                               │ step()
+   └── asyncio.Queue ◀── call_soon_threadsafe ◀────┘ RequestOutputs → TokenDelta
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
+
+from engine import InvalidRequestError, LLMEngine, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """One streamed event for one request.
+
+    token_ids: tokens generated since the previous event (may be empty on the final event).
+    finish_reason: set iff `finished`; one of FINISH_REASONS. "error" comes with `error`.
+    num_prompt_tokens: the prompt length as the backend counted it (for usage).
+    """
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+class QueueFullError(RuntimeError):
+    """The backend will not queue another request now; the client should retry after `retry_after_s`.
+
+    Raised by `generate` before its first event, so the ingress can still answer 429.
+    """
+
+    def __init__(self, message: str = "the server is at capacity; retry later", retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@runtime_checkable
+class GenerateBackend(Protocol):
+    """Where tokens come from. The ingress owns tokenization, detokenization and stop strings.
+
+    `generate` is an async generator. Errors the caller caused (`InvalidRequestError`, including
+    `PromptTooLongError`) and `QueueFullError` are raised before the first event; failures after it
+    arrive as a final event with finish_reason "error". Closing the generator early (client gone)
+    must not leak the request, but the ingress also calls `abort` explicitly.
+    """
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0) -> AsyncIterator[TokenDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def health(self) -> dict: ...
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Where one request's deltas go: a queue owned by the event loop that called `generate`."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Command:
+    kind: str  # "add" | "abort" | "call"
+    request_id: str = ""
+    prompt_token_ids: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+    priority: int = 0
+    fn: Callable[[LLMEngine], Any] | None = None
+    future: concurrent.futures.Future | None = None
+
+
+class LocalEngineBackend:
+    """Runs one `LLMEngine` on a background thread and streams its outputs to asyncio callers.
+
+    NOTE: only the engine thread touches the engine; callers hand it commands (add, abort, call) that
+    it applies between steps, so a step never blocks an event loop. Use `run_on_engine` to inspect the
+    engine safely from outside (tests: `check_integrity`).
+
+    max_num_requests: at most this many requests in flight (queued or running); more raise
+    `QueueFullError` with `retry_after_s`. None: unbounded.
+    """
+
+    def __init__(self, engine: LLMEngine, max_num_requests: int | None = None, retry_after_s: float = 1.0,
+                 idle_integrity_check: bool = True):
+        self.engine = engine
+        self.max_num_requests = max_num_requests
+        self.retry_after_s = retry_after_s
+        self.idle_integrity_check = idle_integrity_check
+        self._cv = threading.Condition()
+        # Both guarded by _cv.
+        self._commands: list[_Command] = []
+        self._streams: dict[str, _Stream] = {}
+        self._closed = False
+        self.num_steps = 0
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ GenerateBackend
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[TokenDelta]:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine backend is shut down")
+            if request_id in self._streams:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            if self.max_num_requests is not None and len(self._streams) >= self.max_num_requests:
+                raise QueueFullError(
+                    f"{len(self._streams)} requests in flight (limit {self.max_num_requests}); retry later",
+                    self.retry_after_s)
+            self._streams[request_id] = stream
+            self._commands.append(_Command("add", request_id, list(prompt_token_ids), params, priority))
+            self._cv.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine rejected it: nothing to abort
+                    raise item
+                # Coalesce what piled up while the consumer was busy: fewer, larger events.
+                while not item.finished and not stream.queue.empty():
+                    nxt = stream.queue.get_nowait()
+                    item.token_ids.extend(nxt.token_ids)
+                    item.finished, item.finish_reason, item.error = nxt.finished, nxt.finish_reason, nxt.error
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._abort_nowait(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_nowait(request_id)
+
+    async def health(self) -> dict:
+        eng = self.engine
+        alive = self._thread.is_alive() and not self._closed
+        return {
+            "status": "ok" if alive and self.last_error is None else "unhealthy",
+            "engine_thread_alive": alive,
+            "num_requests": len(self._streams),
+            "num_running": eng.num_running,
+            "num_waiting": eng.num_waiting,
+            "num_free_blocks": eng.block_manager.num_free_blocks,
+            "num_blocks": eng.block_manager.num_blocks,
+            "num_steps": self.num_steps,
+            "last_error": self.last_error,
+        }
+
+    # ------------------------------------------------------------------ control
+    def run_on_engine(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run `fn(engine)` on the engine thread between steps; the future holds its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine backend is shut down")
+            self._commands.append(_Command("call", fn=fn, future=fut))
+            self._cv.notify()
+        return fut
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+
+    def _abort_nowait(self, request_id: str) -> None:
+        # Synchronous on purpose: callable from a cancelled task's `finally` without awaiting.
+        with self._cv:
+            if self._streams.pop(request_id, None) is None:
+                return  # finished or never known
+            self._commands.append(_Command("abort", request_id))
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not self._commands and not self._closed and not eng.has_unfinished_requests():
+                    if not self._cv.wait(timeout=1.0) and self.idle_integrity_check:
+                        self._idle_check()
+                commands, self._commands = self._commands, []
+                closed = self._closed
+            for cmd in commands:
+                self._apply(cmd)
+            if closed:
+                self._fail_all("abort", None)
+                return
+            if not eng.has_unfinished_requests():
+                continue
+            try:
+                outputs = eng.step()
+            except Exception as e:  # a bug or a device failure: fail every request, keep serving
+                logger.exception("engine step failed")
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._fail_all("error", self.last_error)
+                continue
+            self.num_steps += 1
+            for out in outputs:
+                self._deliver(out.request_id, TokenDelta(
+                    list(out.new_token_ids), out.finished, out.finish_reason, None, out.num_prompt_tokens))
+
+    def _apply(self, cmd: _Command) -> None:
+        eng = self.engine
+        if cmd.kind == "add":
+            with self._cv:
+                live = cmd.request_id in self._streams
+            if not live:
+                return  # aborted before it reached the engine
+            try:
+                eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
+            except Exception as e:  # InvalidRequestError and friends: raised by generate()
+                with self._cv:
+                    stream = self._streams.pop(cmd.request_id, None)
+                if stream is not None:
+                    self._post(stream, e)
+        elif cmd.kind == "abort":
+            eng.abort(cmd.request_id)
+        elif cmd.kind == "call":
+            assert cmd.fn is not None and cmd.future is not None
+            try:
+                cmd.future.set_result(cmd.fn(eng))
+            except BaseException as e:
+                cmd.future.set_exception(e)
+        else:
+            raise AssertionError(f"unknown command {cmd.kind!r}")
+
+    def _deliver(self, request_id: str, delta: TokenDelta) -> None:
+        with self._cv:
+            stream = self._streams.pop(request_id) if delta.finished else self._streams.get(request_id)
+        if stream is not None:
+            if not self._post(stream, delta) and not delta.finished:
+                self._abort_nowait(request_id)
+
+    @staticmethod
+    def _post(stream: _Stream, item: TokenDelta | BaseException) -> bool:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the caller's event loop is closed
+            return False
+
+    def _fail_all(self, finish_reason: str, error: str | None) -> None:
+        with self._cv:
+            streams, self._streams = self._streams, {}
+        for rid, stream in streams.items():
+            self.engine.abort(rid)
+            self._post(stream, TokenDelta([], True, finish_reason, error, stream.num_prompt_tokens))
+
+    def _idle_check(self) -> None:
+        try:
+            self.engine.check_integrity()
+        except AssertionError as e:
+            logger.error("KV cache integrity check failed while idle: %s", e)
+            self.last_error = f"integrity: {e}"
