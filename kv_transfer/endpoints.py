@@ -1,0 +1,133 @@
+"""Both ends of a transfer without any Ray: `KVSender` (prefill side) and `KVReceiver` (decode side).
+
+The Ray glue (deployments/kv_endpoint.py) only adds channel set-up and the "please push" call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from kv_transfer.errors import (EpochMismatchError, KVTransferError, LeaseExpiredError,
+                                ReceiverOutOfBlocksError)
+from kv_transfer.handle import KVHandle, KVLayout
+from kv_transfer.lease import LeaseTable
+from kv_transfer.protocol import Status, recv_kv, send_kv, send_status
+from kv_transfer.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class KVSender:
+    """Pushes leased blocks to peers. Every push ends the lease: blocks are freed on the receiver's
+    ack and on any failure (the request is then re-prefilled), except when the handle is stale
+    (`EpochMismatchError`): the newer grant keeps them."""
+
+    def __init__(self, transport: Transport, kv_cache: torch.Tensor, leases: LeaseTable, timeout_s: float = 30.0):
+        assert leases.layout == KVLayout.of(kv_cache)
+        self.transport, self.kv_cache, self.leases, self.timeout_s = transport, kv_cache, leases, timeout_s
+        self.num_sent = 0
+        self.num_failed = 0
+        self.bytes_sent = 0
+
+    def push(self, handle: KVHandle, peer: str, timeout_s: float | None = None) -> None:
+        """Send `handle`'s blocks to `peer` (who is waiting in `KVReceiver.receive`); return after its ack."""
+        timeout_s = timeout_s or self.timeout_s
+        rid = handle.request_id
+        try:
+            channel = self.transport.channel(peer)
+        except KVTransferError:
+            self.num_failed += 1
+            self.leases.release(rid, handle.epoch)
+            raise
+        with channel.lock:
+            try:
+                live = self.leases.begin_transfer(rid, handle.epoch)
+            except (LeaseExpiredError, EpochMismatchError) as e:
+                self.num_failed += 1
+                if isinstance(e, LeaseExpiredError):
+                    self.leases.release(rid, handle.epoch)
+                status = Status.LEASE_EXPIRED if isinstance(e, LeaseExpiredError) else Status.EPOCH_MISMATCH
+                try:
+                    send_status(channel, handle, status, timeout_s)
+                except KVTransferError:
+                    self.transport.drop(peer, channel)
+                raise
+            try:
+                send_kv(channel, self.kv_cache, live, timeout_s)
+            except BaseException:
+                self.num_failed += 1
+                self.transport.drop(peer, channel)
+                self.leases.end_transfer(rid)
+                self.leases.release(rid, handle.epoch)
+                raise
+            self.leases.end_transfer(rid)
+        self.leases.ack(rid, handle.epoch)
+        self.num_sent += 1
+        self.bytes_sent += live.nbytes
+
+
+class KVReceiver:
+    """Receives a handle's blocks into freshly allocated blocks of this side's cache.
+
+    `allocate(num_tokens) -> block ids | None` and `free(block_ids)` are the engine's (wrapped in its
+    lock if it steps on another thread).
+    """
+
+    def __init__(self, transport: Transport, kv_cache: torch.Tensor,
+                 allocate: Callable[[int], list[int] | None], free: Callable[[list[int]], object],
+                 timeout_s: float = 30.0):
+        self.transport, self.kv_cache, self.timeout_s = transport, kv_cache, timeout_s
+        self.layout = KVLayout.of(kv_cache)
+        self._allocate, self._free = allocate, free
+        self.num_received = 0
+        self.num_failed = 0
+        self.bytes_received = 0
+
+    def receive(self, handle: KVHandle, start_push: Callable[[], object],
+                abandon: Callable[[], object] = lambda: None, timeout_s: float | None = None) -> list[int]:
+        """Allocate, call `start_push()` (the sender must then `push` to us concurrently), receive,
+        acknowledge. Returns this side's block ids, now holding the KV of `handle.num_tokens` tokens.
+
+        On failure frees the blocks and raises a `KVTransferError`; if it fails before `start_push`
+        it calls `abandon()` so the sender can free its side at once.
+        """
+        timeout_s = timeout_s or self.timeout_s
+        started = False
+        block_ids: list[int] | None = None
+        try:
+            if handle.layout != self.layout:
+                raise KVTransferError(f"{handle.request_id!r}: sender layout {handle.layout} != ours {self.layout}; "
+                                      "prefill and decode must run the same model and dtype")
+            if handle.expired():
+                raise LeaseExpiredError(f"lease on {handle.request_id!r} expired before it was fetched; re-prefill it")
+            block_ids = self._allocate(handle.num_tokens)
+            if block_ids is None:
+                raise ReceiverOutOfBlocksError(f"{handle.num_blocks} KV blocks needed for {handle.request_id!r}; "
+                                               "route it to a less loaded decode worker")
+            channel = self.transport.channel(handle.worker_id)
+            with channel.lock:
+                started = True
+                start_push()
+                try:
+                    recv_kv(channel, self.kv_cache, handle, block_ids, timeout_s)
+                except (LeaseExpiredError, EpochMismatchError):
+                    raise  # refused by a status header: the stream is still in step
+                except BaseException:
+                    self.transport.drop(handle.worker_id, channel)
+                    raise
+        except BaseException:
+            self.num_failed += 1
+            if block_ids is not None:
+                self._free(block_ids)
+            if not started:
+                try:
+                    abandon()
+                except Exception:
+                    logger.warning("could not tell %s to drop %s", handle.worker_id, handle.request_id, exc_info=True)
+            raise
+        self.num_received += 1
+        self.bytes_received += handle.nbytes
+        return block_ids

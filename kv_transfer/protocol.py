@@ -1,0 +1,170 @@
+"""One request's KV over one channel: header, blocks in layer groups, acknowledgement.
+
+    sender (prefill, holds the lease)             receiver (decode)
+                                                  allocate blocks (fail: ReceiverOutOfBlocksError)
+                                                  lock channel, ask the sender to push
+    lock channel, pin lease (fail: error header)
+    header [magic,status,req,epoch,nblk,ntok,ngrp,chk] ->  check it against the handle
+    pack group 0, send -------------------------->  recv group 0 --+
+    pack group 1, send  (overlaps group 0)  ------>  recv group 1   +-> unpack each group as it lands
+    ...                                               ...          -+
+    wait ack <-------------------------------------- ack header [.., OK, req, epoch, ..]
+    lease.ack -> free blocks                        blocks belong to the decode engine now
+
+Any failure raises a typed error (kv_transfer.errors); the caller frees its side's blocks and drops
+the channel unless the error came cleanly from a status header (the stream is then still in step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+
+from kv_transfer.errors import (EpochMismatchError, KVTransferError, LeaseExpiredError, ProtocolError,
+                                TransferTimeoutError)
+from kv_transfer.handle import KVHandle
+from kv_transfer.packing import layer_groups, pack_blocks, unpack_blocks
+from kv_transfer.transport import Channel
+
+MAGIC = 0x4B565846_0001  # "KVXF", protocol version 1
+HEADER_LEN = 8
+_MASK = (1 << 64) - 1
+
+
+class Status(IntEnum):
+    OK = 0
+    LEASE_EXPIRED = 1
+    EPOCH_MISMATCH = 2
+
+
+class Header(NamedTuple):
+    status: Status
+    request_hash: int
+    epoch: int
+    num_blocks: int
+    num_tokens: int
+    num_groups: int
+
+
+def _signed(x: int) -> int:
+    x &= _MASK
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def request_hash(request_id: str) -> int:
+    """A stable 64-bit id for a request (Python's `hash` is salted per process)."""
+    return _signed(int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little"))
+
+
+def _checksum(fields) -> int:
+    h = 0xCBF29CE484222325
+    for f in fields:
+        h = ((h ^ (f & _MASK)) * 0x100000001B3) & _MASK
+    return _signed(h)
+
+
+def encode_header(status: Status, handle: KVHandle, num_groups: int) -> torch.Tensor:
+    fields = [MAGIC, int(status), request_hash(handle.request_id), handle.epoch, handle.num_blocks,
+              handle.num_tokens, num_groups]
+    return torch.tensor(fields + [_checksum(fields)], dtype=torch.int64)
+
+
+def decode_header(t: torch.Tensor) -> Header:
+    fields = t.tolist()
+    if fields[0] != MAGIC or _checksum(fields[:-1]) != fields[-1]:
+        raise ProtocolError(f"corrupted or foreign KV header {fields}")
+    try:
+        status = Status(fields[1])
+    except ValueError:
+        raise ProtocolError(f"unknown status {fields[1]} in KV header") from None
+    return Header(status, *fields[2:7])
+
+
+class _Deadline:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.end = time.monotonic() + timeout_s
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"KV transfer took longer than {self.timeout_s:.1f}s")
+        return left
+
+
+def _staging(channel: Channel, handle: KVHandle, device: torch.device) -> torch.Tensor:
+    """The channel's reused packed buffer, grown as needed (fresh pages cost more than the copy)."""
+    buf = getattr(channel, "staging", None)
+    if buf is None or buf.numel() < handle.nbytes or buf.device != device:
+        buf = torch.empty(handle.nbytes, dtype=torch.uint8, device=device)
+        channel.staging = buf
+    return buf[:handle.nbytes].view(handle.layout.torch_dtype).view(handle.layout.packed_shape(handle.num_blocks))
+
+
+def send_status(channel: Channel, handle: KVHandle, status: Status, timeout_s: float) -> None:
+    """Tell the receiver this transfer will not happen (no blocks, no ack follow)."""
+    channel.isend(encode_header(status, handle, 0)).wait(timeout_s)
+
+
+def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_s: float,
+            group_bytes: int = 8 << 20) -> None:
+    """Send `handle`'s blocks from `kv_cache` and wait for the receiver's acknowledgement.
+
+    The caller holds `channel.lock` and has validated (and pinned) the lease.
+    """
+    deadline = _Deadline(timeout_s)
+    groups = layer_groups(handle.layout, handle.num_blocks, group_bytes)
+    channel.isend(encode_header(Status.OK, handle, len(groups))).wait(deadline.left())
+    buf = _staging(channel, handle, kv_cache.device)
+    sends = []
+    for g in groups:
+        pack_blocks(kv_cache, handle.block_ids, out=buf, layers=g)
+        # NOTE: gloo sends run on its own threads, so packing the next group overlaps this send.
+        sends.append(channel.isend(buf[g]))
+    for s in sends:
+        s.wait(deadline.left())
+    ack = torch.empty(HEADER_LEN, dtype=torch.int64)
+    channel.irecv(ack).wait(deadline.left())
+    hdr = decode_header(ack)
+    if (hdr.request_hash, hdr.epoch) != (request_hash(handle.request_id), handle.epoch):
+        raise ProtocolError(f"ack for another transfer (epoch {hdr.epoch}) while sending {handle.request_id!r}")
+    if hdr.status is not Status.OK:
+        raise KVTransferError(f"receiver rejected {handle.request_id!r}: {hdr.status.name}")
+
+
+def recv_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, block_ids: list[int],
+            timeout_s: float, group_bytes: int = 8 << 20) -> None:
+    """Receive `handle`'s blocks into `kv_cache` at this side's `block_ids`, then acknowledge.
+
+    The caller holds `channel.lock`, allocated `block_ids` and has asked the sender to push.
+    Raises `LeaseExpiredError` / `EpochMismatchError` if the sender refused (stream still in step),
+    `ProtocolError` if the header does not describe this transfer.
+    """
+    assert len(block_ids) == handle.num_blocks, (len(block_ids), handle.num_blocks)
+    deadline = _Deadline(timeout_s)
+    raw = torch.empty(HEADER_LEN, dtype=torch.int64)
+    channel.irecv(raw).wait(deadline.left())
+    hdr = decode_header(raw)
+    if hdr.request_hash != request_hash(handle.request_id):
+        raise ProtocolError(f"expected KV of {handle.request_id!r}, got another request's (hash {hdr.request_hash})")
+    if hdr.status is Status.LEASE_EXPIRED:
+        raise LeaseExpiredError(f"{handle.worker_id}: lease on {handle.request_id!r} is gone; re-prefill it")
+    if hdr.status is Status.EPOCH_MISMATCH:
+        raise EpochMismatchError(f"{handle.worker_id}: epoch {handle.epoch} of {handle.request_id!r} "
+                                 "was superseded; re-prefill it")
+    groups = layer_groups(handle.layout, handle.num_blocks, group_bytes)
+    got = (hdr.status, hdr.epoch, hdr.num_blocks, hdr.num_tokens, hdr.num_groups)
+    want = (Status.OK, handle.epoch, handle.num_blocks, handle.num_tokens, len(groups))
+    if got != want:
+        # NOTE: never use blocks sent under another epoch: that data may belong to a superseded grant.
+        raise ProtocolError(f"header {got} does not match the handle {want} of {handle.request_id!r}")
+    buf = _staging(channel, handle, kv_cache.device)
+    recvs = [channel.irecv(buf[g]) for g in groups]
+    for g, r in zip(groups, recvs):
+        r.wait(deadline.left())
+        unpack_blocks(kv_cache, block_ids, buf, layers=g)  # overlaps the next group's receive
+    channel.isend(encode_header(Status.OK, handle, len(groups))).wait(deadline.left())
