@@ -1,0 +1,306 @@
+"""The OpenAI HTTP schema (pydantic v2): requests, responses, stream chunks, error objects.
+
+Pydantic lives only here, at the HTTP edge. `*.sampling_params(...)` turns a request into the
+engine's `SamplingParams`; every user error becomes an `APIError` that the ingress answers with
+`{"error": {"message", "type", "param", "code"}}`.
+
+Defaults for an omitted `max_tokens` follow vLLM: 16 for `/v1/completions` (OpenAI's documented
+default for the legacy endpoint) and "the rest of the context" (`max_model_len - prompt tokens`) for
+`/v1/chat/completions`. An explicit value that does not fit the context is a 400
+(`context_length_exceeded`), as with OpenAI and vLLM, rather than being silently cut.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from engine import InvalidRequestError, PromptTooLongError, SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+# ---------------------------------------------------------------------- errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI error object with `status_code`."""
+
+    def __init__(self, status_code: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def to_response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:
+        return cls(400, message, "invalid_request_error", param, code)
+
+    @classmethod
+    def from_invalid(cls, e: InvalidRequestError, rename: dict[str, str] | None = None) -> APIError:
+        """400 from an engine `InvalidRequestError`; its field becomes `param` (renamed per `rename`)."""
+        param = (rename or {}).get(e.field, e.field)
+        code = "context_length_exceeded" if isinstance(e, PromptTooLongError) else "invalid_value"
+        return cls.bad_request(f"{param}: {e.message}", param, code)
+
+
+# ---------------------------------------------------------------------- requests
+class _Request(BaseModel):
+    # Unknown fields (presence_penalty, logit_bias, ...) are ignored, as vLLM does.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields both endpoints share."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0  # lower runs first (vLLM's convention)
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _check_common(self) -> None:
+        if self.n is not None and self.n != 1:
+            raise APIError.bad_request(f"n: only n=1 is supported, got {self.n}", "n", "unsupported_value")
+        if self.stream_options is not None and not self.stream:
+            raise APIError.bad_request("stream_options: only allowed when stream is true", "stream_options")
+
+    def _sampling_params(self, max_tokens: int | None, max_tokens_param: str, num_prompt_tokens: int,
+                         max_model_len: int, prompt_param: str, default_max_tokens: int | None) -> SamplingParams:
+        self._check_common()
+        rename = {"max_tokens": max_tokens_param, "prompt": prompt_param}
+        if num_prompt_tokens >= max_model_len:
+            raise APIError.from_invalid(PromptTooLongError(
+                prompt_param, f"{num_prompt_tokens} tokens, but this model's maximum context length is "
+                              f"{max_model_len} tokens including at least one generated token; shorten it"), rename)
+        remaining = max_model_len - num_prompt_tokens
+        if max_tokens is None:
+            max_tokens = remaining if default_max_tokens is None else min(default_max_tokens, remaining)
+        elif isinstance(max_tokens, int) and max_tokens > remaining:
+            raise APIError.bad_request(
+                f"{max_tokens_param}: {max_tokens} is too large; this model's maximum context length is "
+                f"{max_model_len} tokens and the prompt has {num_prompt_tokens}, so at most {remaining} "
+                f"can be generated", max_tokens_param, "context_length_exceeded")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=-1 if self.top_k is None else self.top_k,
+                seed=self.seed,
+                stop=[] if self.stop is None else self.stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+            )
+        except InvalidRequestError as e:
+            raise APIError.from_invalid(e, rename) from None
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. One prompt: a string or a list of token ids."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt; a one-element batch is unwrapped. Raises APIError for batches and empties."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError.bad_request(
+                    f"prompt: batches of {len(p)} prompts are not supported; send one prompt per request",
+                    "prompt", "unsupported_value")
+            p = p[0]
+        if not p:
+            raise APIError.bad_request("prompt: must not be empty", "prompt", "invalid_value")
+        for name, bad in (("echo", self.echo), ("logprobs", self.logprobs is not None), ("suffix", self.suffix)):
+            if bad:
+                raise APIError.bad_request(f"{name}: not supported", name, "unsupported_parameter")
+        return p
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, "max_tokens", num_prompt_tokens, max_model_len,
+                                     "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[TextContentPart | dict[str, Any]] | None = None
+    name: str | None = None
+
+    def template_content(self, index: int) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if not isinstance(part, TextContentPart):
+                kind = part.get("type", "?") if isinstance(part, dict) else "?"
+                raise APIError.bad_request(f"messages[{index}].content: content parts of type {kind!r} are "
+                                           "not supported; send text", "messages", "unsupported_value")
+            texts.append(part.text)
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    tools: list[dict[str, Any]] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        if not self.messages:
+            raise APIError.bad_request("messages: must not be empty", "messages", "invalid_value")
+        if self.logprobs:
+            raise APIError.bad_request("logprobs: not supported", "logprobs", "unsupported_parameter")
+        if self.tools:
+            raise APIError.bad_request("tools: not supported", "tools", "unsupported_parameter")
+        return [{"role": m.role, "content": m.template_content(i)} for i, m in enumerate(self.messages)]
+
+    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
+        if self.max_completion_tokens is not None:
+            value, param = self.max_completion_tokens, "max_completion_tokens"
+        else:
+            value, param = self.max_tokens, "max_tokens"
+        return self._sampling_params(value, param, num_prompt_tokens, max_model_len, "messages", None)
+
+
+# ---------------------------------------------------------------------- responses
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                   total_tokens=num_prompt_tokens + num_completion_tokens)
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One SSE chunk of /v1/completions (same shape as the full response, with partial text)."""
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # OpenAI sends {"content": "x"}, not {"role": null, "content": "x"}
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "pdserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
