@@ -51,7 +51,7 @@ class KVSender:
                     self.leases.release(rid, handle.epoch)
                 status = Status.LEASE_EXPIRED if isinstance(e, LeaseExpiredError) else Status.EPOCH_MISMATCH
                 try:
-                    send_status(channel, handle, status, timeout_s)
+                    send_status(channel, handle, status, timeout_s, self.kv_cache.device)
                 except KVTransferError:
                     self.transport.drop(peer, channel)
                 raise

@@ -67,10 +67,12 @@ def _checksum(fields) -> int:
     return _signed(h)
 
 
-def encode_header(status: Status, handle: KVHandle, num_groups: int) -> torch.Tensor:
+def encode_header(status: Status, handle: KVHandle, num_groups: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
     fields = [MAGIC, int(status), request_hash(handle.request_id), handle.epoch, handle.num_blocks,
               handle.num_tokens, num_groups]
-    return torch.tensor(fields + [_checksum(fields)], dtype=torch.int64)
+    # NOTE: on the cache's device: NCCL only moves GPU memory.
+    return torch.tensor(fields + [_checksum(fields)], dtype=torch.int64, device=device)
 
 
 def decode_header(t: torch.Tensor) -> Header:
@@ -105,9 +107,10 @@ def _staging(channel: Channel, handle: KVHandle, device: torch.device) -> torch.
     return buf[:handle.nbytes].view(handle.layout.torch_dtype).view(handle.layout.packed_shape(handle.num_blocks))
 
 
-def send_status(channel: Channel, handle: KVHandle, status: Status, timeout_s: float) -> None:
+def send_status(channel: Channel, handle: KVHandle, status: Status, timeout_s: float,
+                device: torch.device | str = "cpu") -> None:
     """Tell the receiver this transfer will not happen (no blocks, no ack follow)."""
-    channel.isend(encode_header(status, handle, 0)).wait(timeout_s)
+    channel.isend(encode_header(status, handle, 0, device)).wait(timeout_s)
 
 
 def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_s: float,
@@ -118,7 +121,7 @@ def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_
     """
     deadline = _Deadline(timeout_s)
     groups = layer_groups(handle.layout, handle.num_blocks, group_bytes)
-    channel.isend(encode_header(Status.OK, handle, len(groups))).wait(deadline.left())
+    channel.isend(encode_header(Status.OK, handle, len(groups), kv_cache.device)).wait(deadline.left())
     buf = _staging(channel, handle, kv_cache.device)
     sends = []
     for g in groups:
@@ -127,7 +130,7 @@ def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_
         sends.append(channel.isend(buf[g]))
     for s in sends:
         s.wait(deadline.left())
-    ack = torch.empty(HEADER_LEN, dtype=torch.int64)
+    ack = torch.empty(HEADER_LEN, dtype=torch.int64, device=kv_cache.device)
     channel.irecv(ack).wait(deadline.left())
     hdr = decode_header(ack)
     if (hdr.request_hash, hdr.epoch) != (request_hash(handle.request_id), handle.epoch):
@@ -146,7 +149,7 @@ def recv_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, block_id
     """
     assert len(block_ids) == handle.num_blocks, (len(block_ids), handle.num_blocks)
     deadline = _Deadline(timeout_s)
-    raw = torch.empty(HEADER_LEN, dtype=torch.int64)
+    raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=kv_cache.device)
     channel.irecv(raw).wait(deadline.left())
     hdr = decode_header(raw)
     if hdr.request_hash != request_hash(handle.request_id):
@@ -167,4 +170,4 @@ def recv_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, block_id
     for g, r in zip(groups, recvs):
         r.wait(deadline.left())
         unpack_blocks(kv_cache, block_ids, buf, layers=g)  # overlaps the next group's receive
-    channel.isend(encode_header(Status.OK, handle, len(groups))).wait(deadline.left())
+    channel.isend(encode_header(Status.OK, handle, len(groups), kv_cache.device)).wait(deadline.left())

@@ -1,0 +1,164 @@
+"""Full protocol over the in-process transport between two tiny engines (no Ray, no sockets)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from kv_transfer import (EpochMismatchError, InProcHub, InProcTransport, KVLayout, KVReceiver, KVSender,
+                         LeaseExpiredError, LeaseTable, PeerDiedError, ReceiverOutOfBlocksError,
+                         TransferTimeoutError)
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [[1 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate([3, 4, 5, 9, 16, 17, 30])]
+
+
+class Pair:
+    """Prefill engine P and decode engine D joined by in-process channels."""
+
+    def __init__(self, model_dir: str, lease_s: float = 30.0):
+        self.p = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, block_size=4, num_threads=1))
+        self.d = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=48, block_size=4, num_threads=1))
+        self.d_pad = self.d.allocate_blocks(12)  # so the decode side's block ids differ from the sender's
+        hub = InProcHub()
+        self.hub = hub
+        tp, td = InProcTransport(hub, "P"), InProcTransport(hub, "D")
+        tp.connect("D")
+        td.connect("P")
+        self.leases = LeaseTable("P", KVLayout.of(self.p.runner.kv_cache), self.p.release_prefilled, lease_s)
+        self.sender = KVSender(tp, self.p.runner.kv_cache, self.leases, timeout_s=5)
+        self.receiver = KVReceiver(td, self.d.runner.kv_cache, self.d.allocate_blocks, self.d.free_blocks, timeout_s=5)
+        self.pool = ThreadPoolExecutor(4)
+        self.pushes = []
+
+    def prefill(self, rid: str, prompt: list[int]):
+        self.p.add_request(rid, prompt, PARAMS, prefill_only=True)
+        while True:
+            for out in self.p.step():
+                if out.request_id == rid and out.finished:
+                    assert out.finish_reason == "prefilled"
+                    return self.leases.grant(rid, out.block_ids, len(prompt), out.token_ids[0])
+
+    def start_push(self, handle):
+        return lambda: self.pushes.append(self.pool.submit(self.sender.push, handle, "D"))
+
+    def check(self):
+        for f in self.pushes:
+            f.exception(timeout=10)  # every push has finished, one way or the other
+        self.p.check_integrity()
+        self.d.check_integrity()
+        assert self.p.block_manager.num_free_blocks == 64
+        assert self.d.block_manager.num_free_blocks == 48 - len(self.d_pad)
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return done
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=128, block_size=4, num_threads=1))
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, PARAMS)
+    return _run(eng)
+
+
+def test_transfer_then_decode_matches_single_engine(model_dir, reference):
+    pair = Pair(model_dir)
+    for i, prompt in enumerate(PROMPTS):
+        h = pair.prefill(f"r{i}", prompt)
+        ids = pair.receiver.receive(h, pair.start_push(h))
+        assert len(ids) == h.num_blocks
+        pair.d.add_prefilled_request(f"r{i}", prompt, [h.first_token], PARAMS, ids, len(prompt))
+    assert _run(pair.d) == reference
+    assert len(pair.leases) == 0 and pair.sender.num_sent == len(PROMPTS)
+    pair.check()
+
+
+def test_concurrent_transfers_share_the_channel(model_dir, reference):
+    pair = Pair(model_dir)
+    handles = [pair.prefill(f"r{i}", p) for i, p in enumerate(PROMPTS[:5])]
+    with ThreadPoolExecutor(5) as ex:
+        futs = [ex.submit(pair.receiver.receive, h, pair.start_push(h)) for h in handles]
+        ids = [f.result(timeout=20) for f in futs]
+    for h, b, p in zip(handles, ids, PROMPTS):
+        pair.d.add_prefilled_request(h.request_id, p, [h.first_token], PARAMS, b, len(p))
+    assert _run(pair.d) == {f"r{i}": reference[f"r{i}"] for i in range(5)}
+    pair.check()
+
+
+def test_expired_lease_frees_both_sides(model_dir):
+    pair = Pair(model_dir, lease_s=0.05)
+    h = pair.prefill("r0", PROMPTS[3])
+    import time
+    time.sleep(0.1)
+    with pytest.raises(LeaseExpiredError):  # caught before allocating: the sender is told to drop it
+        pair.receiver.receive(h, pair.start_push(h), abandon=lambda: pair.leases.release(h.request_id, h.epoch))
+    pair.check()
+
+
+def test_sender_refuses_expired_lease(model_dir):
+    pair = Pair(model_dir)
+    h = pair.prefill("r0", PROMPTS[3])
+    pair.leases.reap_expired(now=h.expires_at)  # the sender's clock ran out first
+    with pytest.raises(LeaseExpiredError):
+        pair.receiver.receive(h, pair.start_push(h))
+    pair.check()
+
+
+def test_superseded_epoch_is_refused(model_dir):
+    pair = Pair(model_dir)
+    old = pair.prefill("r0", PROMPTS[3])
+    new = pair.leases.grant("r0", list(old.block_ids), old.num_tokens, old.first_token)
+    with pytest.raises(EpochMismatchError):
+        pair.receiver.receive(old, pair.start_push(old))
+    assert "r0" in pair.leases  # the newer grant still holds the blocks...
+    ids = pair.receiver.receive(new, pair.start_push(new))  # ...and can still be fetched
+    assert pair.d.block_manager.num_free_blocks == 48 - len(pair.d_pad) - new.num_blocks
+    pair.d.free_blocks(ids)
+    pair.check()
+
+
+def test_receiver_out_of_blocks(model_dir):
+    pair = Pair(model_dir)
+    h = pair.prefill("r0", PROMPTS[6])  # 30 tokens = 8 blocks
+    hog = pair.d.allocate_blocks(4 * pair.d.block_manager.num_free_blocks - 4)
+    abandoned = []
+    with pytest.raises(ReceiverOutOfBlocksError):
+        pair.receiver.receive(h, pair.start_push(h),
+                              abandon=lambda: abandoned.append(pair.leases.release(h.request_id, h.epoch)))
+    assert abandoned == [True]
+    pair.d.free_blocks(hog)
+    pair.check()
+
+
+def test_sender_never_pushes_times_out(model_dir):
+    pair = Pair(model_dir)
+    h = pair.prefill("r0", PROMPTS[3])
+    with pytest.raises(TransferTimeoutError):
+        pair.receiver.receive(h, lambda: None, timeout_s=0.2)
+    pair.leases.reap_expired(now=h.expires_at)  # the lease is the sender's backstop
+    pair.check()
+
+
+def test_peer_dies_mid_transfer(model_dir):
+    pair = Pair(model_dir)
+    h = pair.prefill("r0", PROMPTS[3])
+    threading.Timer(0.1, pair.hub.kill, args=("P",)).start()
+    with pytest.raises(PeerDiedError):
+        pair.receiver.receive(h, lambda: None, timeout_s=5)
+    pair.leases.reap_expired(now=h.expires_at)
+    pair.check()
