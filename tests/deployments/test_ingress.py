@@ -1,0 +1,399 @@
+"""The OpenAI ingress over a LocalEngineBackend (real SmolLM2, no Ray), driven by the real `openai` client
+against uvicorn on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from typing import AsyncIterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from deployments.backend import LocalEngineBackend, QueueFullError, TokenDelta
+from deployments.ingress import IncrementalDetokenizer, StopStringFilter, build_openai_app
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+MODEL = "smollm2"
+API_KEY = "sekret"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+EOS_OFF = {"ignore_eos": True}  # a vLLM-style extension, sent through the client's extra_body
+
+
+# ---------------------------------------------------------------------- fixtures
+class _Server:
+    """uvicorn serving `app` on a free port in a daemon thread."""
+
+    def __init__(self, app):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, kwargs=dict(sockets=[sock]), daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model=None, num_threads=2))
+
+
+@pytest.fixture(scope="module")
+def backend(engine):
+    be = LocalEngineBackend(engine)
+    yield be
+    be.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine, backend):
+    srv = _Server(build_openai_app(backend, engine.tokenizer, MODEL, engine.max_model_len))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client()
+
+
+def offline(backend: LocalEngineBackend, prompt_ids: list[int], params: SamplingParams):
+    """The engine alone (add_request + step loop), run on the backend's engine thread."""
+    def run(eng: LLMEngine):
+        eng.add_request("offline", prompt_ids, params)
+        while True:
+            for out in eng.step():
+                if out.request_id == "offline" and out.finished:
+                    return out
+    return backend.run_on_engine(run).result(timeout=120)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def wait_drained(backend: LocalEngineBackend, timeout_s: float = 10.0) -> None:
+    """Until the engine holds no request; then its KV cache must be whole and empty."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        busy = backend.run_on_engine(lambda e: e.has_unfinished_requests()).result(timeout=30)
+        if not busy and not backend._streams:
+            break
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+
+    def check(e: LLMEngine) -> int:
+        e.check_integrity()
+        return e.block_manager.num_used_blocks
+
+    assert backend.run_on_engine(check).result(timeout=30) == 0
+
+
+# ---------------------------------------------------------------------- outputs match the engine
+def test_chat_matches_offline_engine(engine, backend, client):
+    ref = offline(backend, engine.apply_chat_template(FRANCE), greedy(engine.max_model_len - 64))
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    n_prompt = len(engine.apply_chat_template(FRANCE))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, len(ref.token_ids))
+    assert r.usage.total_tokens == n_prompt + len(ref.token_ids)
+
+
+def test_chat_stream_matches_offline_engine(engine, backend, client):
+    ref = offline(backend, engine.apply_chat_template(FRANCE), greedy(engine.max_model_len - 64))
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=FRANCE, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text and "Paris" in text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("prompt", ["The three primary colors are", "def fibonacci(n):"])
+def test_completions_match_offline_engine(engine, backend, client, prompt):
+    ids = engine.encode_prompt(prompt)
+    ref = offline(backend, ids, greedy(24, ignore_eos=True))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=EOS_OFF)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 24, len(ids) + 24)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                            extra_body=EOS_OFF, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+    # Token ids in, same text out.
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, extra_body=EOS_OFF)
+    assert r2.choices[0].text == ref.text
+
+
+def test_concurrent_streams_each_match_offline(engine, backend, server):
+    prompts = ["Water boils at", "The largest planet is", "My favourite food is"]
+    refs = [offline(backend, engine.encode_prompt(p), greedy(16, ignore_eos=True)).text for p in prompts]
+    results: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        stream = server.client().completions.create(model=MODEL, prompt=prompts[i], max_tokens=16, temperature=0,
+                                                    extra_body=EOS_OFF, stream=True)
+        results[i] = "".join(c.choices[0].text for c in stream)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results.get(i) for i in range(len(prompts))] == refs
+    wait_drained(backend)
+
+
+# ---------------------------------------------------------------------- stop strings
+def test_stop_string_cuts_text_in_both_modes(engine, backend, client):
+    prompt = "Here is a short story about a dragon:"
+    full = offline(backend, engine.encode_prompt(prompt), greedy(40, ignore_eos=True)).text
+    stop = full[12:17]  # five characters from the middle: usually spans a token boundary
+    assert stop.strip() and len(full) > 20
+    expected = full[:full.find(stop)]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body=EOS_OFF, stop=[stop, "@@@@"])
+    r = client.completions.create(**kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (expected, "stop")
+    chunks = list(client.completions.create(**kw, stream=True))
+    pieces = [c.choices[0].text for c in chunks]
+    assert "".join(pieces) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 40
+    wait_drained(backend)
+
+
+def test_stop_string_filter_holds_back_prefixes():
+    f = StopStringFilter(["STOP", "xy"])
+    assert f.feed("abc S") == ("abc ", False)  # "S" may start "STOP"
+    assert f.feed("T") == ("", False)
+    assert f.feed("x") == ("ST", False)  # "STx" cannot start "STOP"; "x" may start "xy"
+    assert f.feed("z STO") == ("xz ", False)
+    assert f.feed("Pend") == ("", True)
+    g = StopStringFilter([])
+    assert g.feed("anything") == ("anything", False)
+    h = StopStringFilter(["END"])
+    assert h.feed("the E") == ("the ", False) and h.flush() == "E"
+
+
+def test_incremental_detokenizer_multibyte(engine):
+    tok = engine.tokenizer
+    text = "Grüße aus Köln 🎉🇫🇷 — 世界你好, naïve café. ∑x² ≤ π"
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p == "") > 0  # some tokens were partial characters and waited
+
+
+# ---------------------------------------------------------------------- bad input
+def _too_long(engine) -> list[int]:
+    return [504] * engine.max_model_len
+
+
+BAD_INPUTS = [
+    # (name, path, body or raw bytes, status, param, code)
+    ("n=2", "completions", {"prompt": "hi", "n": 2}, 400, "n", None),
+    ("temperature<0", "completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", None),
+    ("top_p=0", "chat/completions", {"messages": FRANCE, "top_p": 0}, 400, "top_p", None),
+    ("max_tokens=0", "completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ("max_completion_tokens=0", "chat/completions", {"messages": FRANCE, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", None),
+    ("max_tokens too big", "completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("prompt too long", "completions", "TOO_LONG", 400, "prompt", "context_length_exceeded"),
+    ("messages too long", "chat/completions", {"messages": [{"role": "user", "content": "hello " * 9000}]}, 400,
+     "messages", "context_length_exceeded"),
+    ("empty prompt", "completions", {"prompt": ""}, 400, "prompt", None),
+    ("empty token prompt", "completions", {"prompt": []}, 400, "prompt", None),
+    ("token id out of range", "completions", {"prompt": [1, 10**9]}, 400, "prompt", None),
+    ("batched prompts", "completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("no messages", "chat/completions", {"messages": []}, 400, "messages", None),
+    ("missing messages", "chat/completions", {"model": MODEL}, 400, "messages", None),
+    ("wrong type", "completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
+    ("image content", "chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages", None),
+    ("malformed JSON", "completions", b'{"prompt": "hi",', 400, None, "invalid_json"),
+    ("not an object", "completions", b'[1, 2]', 400, None, None),
+    ("unknown model", "completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param,code", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_openai_error(engine, server, name, path, body, status, param, code):
+    if body == "TOO_LONG":
+        body = {"prompt": _too_long(engine)}
+    if isinstance(body, dict):
+        body = {"model": MODEL, **body} if "model" not in body and name != "missing messages" else body
+        content = json.dumps(body).encode()
+    else:
+        content = body
+    r = httpx.post(f"{server.url}/v1/{path}", content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    if status == 400:
+        assert err["type"] == "invalid_request_error"
+    # ... and the server keeps serving.
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
+
+
+def test_bad_input_through_openai_client_then_serving(client, backend):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=FRANCE, n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.BadRequestError):  # stream=True still answers the status code
+        list(client.completions.create(model=MODEL, prompt="hi", temperature=-1, stream=True))
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, extra_body=EOS_OFF)
+    assert r.usage.completion_tokens == 3
+    wait_drained(backend)
+
+
+def test_models_and_health(engine, client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    h = httpx.get(f"{server.url}/health", timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ok"
+
+
+def test_unknown_route_is_openai_404(server):
+    r = httpx.get(f"{server.url}/v1/nothing-here", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+# ---------------------------------------------------------------------- auth
+@pytest.fixture(scope="module")
+def auth_server(engine, backend):
+    srv = _Server(build_openai_app(backend, engine.tokenizer, MODEL, engine.max_model_len, api_key=API_KEY))
+    yield srv
+    srv.stop()
+
+
+def test_api_key(auth_server, backend):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        r = httpx.post(f"{auth_server.url}/v1/completions", json=body, headers=headers, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{auth_server.url}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{auth_server.url}/health", timeout=10).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        auth_server.client("wrong").models.list()
+    r = auth_server.client(API_KEY).completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=EOS_OFF)
+    assert r.usage.completion_tokens == 2
+
+
+# ---------------------------------------------------------------------- backend refusals and failures
+class _FakeBackend:
+    """Scripted backend: raise before the first event, or yield `deltas` then stop."""
+
+    def __init__(self, raise_first: Exception | None = None, deltas: list[TokenDelta] | None = None):
+        self.raise_first = raise_first
+        self.deltas = deltas or []
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id, prompt_token_ids, params, priority=0) -> AsyncIterator[TokenDelta]:
+        if self.raise_first is not None:
+            raise self.raise_first
+        for d in self.deltas:
+            yield TokenDelta(list(d.token_ids), d.finished, d.finish_reason, d.error, len(prompt_token_ids))
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    async def health(self):
+        return {"status": "ok"}
+
+
+def _fake_server(engine, fake) -> _Server:
+    return _Server(build_openai_app(fake, engine.tokenizer, MODEL, engine.max_model_len))
+
+
+def test_queue_full_is_429_with_retry_after(engine):
+    srv = _fake_server(engine, _FakeBackend(raise_first=QueueFullError("busy", retry_after_s=2.5)))
+    try:
+        for stream in (False, True):
+            r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=10,
+                           json={"model": MODEL, "messages": FRANCE, "stream": stream})
+            assert r.status_code == 429 and r.headers["retry-after"] == "3"
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+        with pytest.raises(openai.RateLimitError):
+            srv.client().completions.create(model=MODEL, prompt="hi")
+    finally:
+        srv.stop()
+
+
+def test_backend_error_midstream_is_sse_error_then_done(engine):
+    hello = engine.tokenizer.encode("Hello world", add_special_tokens=False)
+    fake = _FakeBackend(deltas=[TokenDelta(hello), TokenDelta([], True, "error", "decode worker died")])
+    srv = _fake_server(engine, fake)
+    try:
+        body = {"model": MODEL, "prompt": "hi", "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[0])["choices"][0]["text"] == "Hello world"
+        assert "decode worker died" in json.loads(events[-2])["error"]["message"]
+        with pytest.raises(openai.APIError, match="decode worker died"):
+            list(srv.client().completions.create(model=MODEL, prompt="hi", stream=True))
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    finally:
+        srv.stop()
+
+
+# ---------------------------------------------------------------------- client disconnects
+def test_streaming_client_disconnect_aborts_request(engine, backend, server):
+    wait_drained(backend)
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+        assert got
+        steps_before = backend.num_steps
+    # Closed after a few chunks with ~2000 tokens to go.
+    wait_drained(backend, timeout_s=5)
+    assert backend.num_steps - steps_before < 200
+
+
+def test_non_streaming_client_disconnect_aborts_request(engine, backend, server):
+    wait_drained(backend)
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
+    wait_drained(backend, timeout_s=5)
