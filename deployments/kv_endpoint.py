@@ -1,0 +1,208 @@
+"""Ray glue for KV transfer: `KVExporter` lives in a prefill actor, `KVImporter` in a decode actor.
+
+    decode actor (KVImporter.pull)                      prefill actor (KVExporter, via KVExportMixin)
+    first pull from this exporter only:
+      ray.get(exporter.kv_open_channel(me)) ----------->  TCPStore + gloo rank 0 -> (node ip, port)
+      connect gloo rank 1  <------- rendezvous ------->
+    allocate blocks (ReceiverOutOfBlocksError)
+    lock channel; exporter.kv_push(handle, me) -------->  pin lease, send header + blocks, wait ack
+    receive, check header, unpack, ack  --------------->  release_prefilled(request) on ack
+    return block ids -> engine.add_prefilled_request
+
+Any failure raises a `kv_transfer.KVTransferError` subclass on the decode side with the blocks on both
+sides freed (the exporter frees on its own failures; a pull that fails before the push starts tells
+it to); the caller re-prefills the request. Leases expire as the last resort (`reap_expired`).
+
+Usage in the actors (the prefill actor must accept concurrent calls: `max_concurrency` >= 2 plus the
+number of decode peers, since `kv_push` blocks for the duration of a transfer):
+
+    @ray.remote(max_concurrency=8)
+    class PrefillWorker(KVExportMixin):
+        def __init__(self, ...):
+            self.kv_exporter = KVExporter(worker_id, engine, engine_lock=self.lock)
+        ...   out = prefilled RequestOutput -> handle = self.kv_exporter.grant(out, num_prompt_tokens)
+
+    @ray.remote(max_concurrency=8)
+    class DecodeWorker:
+        def __init__(self, ...):
+            self.kv_importer = KVImporter(worker_id, engine, engine_lock=self.lock)
+        def start(self, handle, prefill_actor, prompt_ids, params):
+            block_ids = self.kv_importer.pull(handle, prefill_actor)
+            with self.lock:
+                engine.add_prefilled_request(handle.request_id, prompt_ids, [handle.first_token], params,
+                                             block_ids, handle.num_tokens)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any
+
+import ray
+
+from engine import LLMEngine, RequestOutput
+from kv_transfer import (KVHandle, KVLayout, KVReceiver, KVSender, KVTransferError, LeaseTable, PeerDiedError,
+                         TransferTimeoutError)
+from kv_transfer.gloo import GlooTransport
+
+logger = logging.getLogger(__name__)
+
+
+def _node_ip(host: str | None) -> str:
+    return host or ray.util.get_node_ip_address()
+
+
+class KVExporter:
+    """Prefill side: leases on prefilled requests, gloo channels to decode workers, pushes.
+
+    Thread-safe. `engine_lock` guards every engine call made here (releasing blocks); pass the lock
+    the actor steps its engine under.
+    """
+
+    def __init__(self, worker_id: str, engine: LLMEngine, *, engine_lock: Any = None, lease_s: float = 30.0,
+                 timeout_s: float = 30.0, host: str | None = None):
+        self.worker_id = worker_id
+        self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
+        self.transport = GlooTransport(_node_ip(host), timeout_s)
+        kv_cache = engine.runner.kv_cache
+        self.leases = LeaseTable(worker_id, KVLayout.of(kv_cache), self._release_blocks, lease_s)
+        self.sender = KVSender(self.transport, kv_cache, self.leases, timeout_s)
+
+    def _release_blocks(self, request_id: str) -> None:
+        with self._lock:
+            self._engine.release_prefilled(request_id)
+
+    def grant(self, output: RequestOutput, num_prompt_tokens: int, lease_s: float | None = None) -> KVHandle:
+        """Lease a request that finished with `finish_reason == "prefilled"`; give the handle to a decode
+        worker. Its blocks are freed on that worker's ack, on any transfer failure, or on expiry."""
+        assert output.finish_reason == "prefilled" and output.block_ids is not None, output.finish_reason
+        return self.leases.grant(output.request_id, output.block_ids, num_prompt_tokens, output.token_ids[0], lease_s)
+
+    def open_channel(self, peer_id: str) -> tuple[str, int]:
+        """Host a fresh channel to decode worker `peer_id`; returns the (node ip, port) it connects to."""
+        return self.transport.listen(peer_id)
+
+    def push(self, handle: KVHandle, peer_id: str) -> None:
+        """Send `handle`'s blocks to `peer_id` (which is in `KVImporter.pull`); returns after its ack."""
+        self.sender.push(handle, peer_id)
+
+    def release(self, request_id: str, epoch: int) -> bool:
+        """Drop the lease (the decode side gave up before the push); False if already gone or superseded."""
+        return self.leases.release(request_id, epoch)
+
+    def reap_expired(self) -> list[str]:
+        """Free expired leases; call it periodically (e.g. from the engine loop when idle)."""
+        return self.leases.reap_expired()
+
+    def stats(self) -> dict[str, int]:
+        s = self.sender
+        return {"num_sent": s.num_sent, "num_failed": s.num_failed, "bytes_sent": s.bytes_sent,
+                "num_leases": len(self.leases)}
+
+    def close(self) -> None:
+        self.transport.close()
+        self.leases.release_all()
+
+
+class KVExportMixin:
+    """The actor methods `KVImporter.pull` calls on a prefill actor. The actor sets `self.kv_exporter`."""
+
+    kv_exporter: KVExporter
+
+    def kv_open_channel(self, peer_id: str) -> tuple[str, int]:
+        return self.kv_exporter.open_channel(peer_id)
+
+    def kv_push(self, handle: KVHandle, peer_id: str) -> None:
+        self.kv_exporter.push(handle, peer_id)
+
+    def kv_release(self, request_id: str, epoch: int) -> bool:
+        return self.kv_exporter.release(request_id, epoch)
+
+
+class KVImporter:
+    """Decode side: pulls a handle's blocks from the prefill actor that holds them. Thread-safe; one
+    importer may pull from many exporters, and run several pulls at once (serialized per channel)."""
+
+    def __init__(self, worker_id: str, engine: LLMEngine, *, engine_lock: Any = None, timeout_s: float = 30.0,
+                 host: str | None = None):
+        self.worker_id = worker_id
+        self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
+        self.timeout_s = timeout_s
+        self.transport = GlooTransport(_node_ip(host), timeout_s)
+        self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s)
+        self._open_locks: dict[str, threading.Lock] = {}
+        self._open_locks_lock = threading.Lock()
+
+    def _allocate(self, num_tokens: int) -> list[int] | None:
+        with self._lock:
+            return self._engine.allocate_blocks(num_tokens)
+
+    def _free(self, block_ids: list[int]) -> None:
+        with self._lock:
+            self._engine.free_blocks(block_ids)
+
+    def _ensure_channel(self, peer: str, exporter: ray.actor.ActorHandle, timeout_s: float) -> None:
+        with self._open_locks_lock:
+            lock = self._open_locks.setdefault(peer, threading.Lock())
+        with lock:
+            if self.transport.has_channel(peer):
+                return
+            try:
+                host, port = ray.get(exporter.kv_open_channel.remote(self.worker_id), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise TransferTimeoutError(f"{peer} did not open a KV channel in {timeout_s:.1f}s") from None
+            except ray.exceptions.RayActorError as e:
+                raise PeerDiedError(f"{peer} died before opening a KV channel: {e}") from None
+            self.transport.connect(peer, host, port)
+
+    def pull(self, handle: KVHandle, exporter: ray.actor.ActorHandle, timeout_s: float | None = None) -> list[int]:
+        """Fetch `handle`'s KV into newly allocated blocks of this engine and return their ids.
+
+        `exporter` is the actor (with `KVExportMixin`) named by `handle.worker_id`. When this returns
+        the exporter has freed its copy; hand the ids to `engine.add_prefilled_request`. Raises a
+        `KVTransferError` subclass, with nothing held on either side, if the request must be re-prefilled.
+        """
+        timeout_s = timeout_s or self.timeout_s
+        push_ref: list[ray.ObjectRef] = []
+
+        def start_push() -> None:
+            push_ref.append(exporter.kv_push.remote(handle, self.worker_id))
+
+        def abandon() -> None:
+            exporter.kv_release.remote(handle.request_id, handle.epoch)
+
+        try:
+            self._ensure_channel(handle.worker_id, exporter, timeout_s)
+        except KVTransferError:
+            abandon()
+            raise
+        try:
+            block_ids = self.receiver.receive(handle, start_push, abandon, timeout_s)
+        except TransferTimeoutError as e:
+            if push_ref and self._actor_died(push_ref[0]):
+                raise PeerDiedError(f"{handle.worker_id} died while sending {handle.request_id!r}") from e
+            raise
+        try:  # returns right after our ack; waiting makes "exporter freed its blocks" hold on return
+            ray.get(push_ref[0], timeout=timeout_s)
+        except Exception:
+            logger.warning("exporter %s failed after acking %s", handle.worker_id, handle.request_id, exc_info=True)
+        return block_ids
+
+    @staticmethod
+    def _actor_died(ref: ray.ObjectRef) -> bool:
+        try:
+            ray.get(ref, timeout=1.0)
+        except ray.exceptions.RayActorError:
+            return True
+        except Exception:
+            return False
+        return False
+
+    def stats(self) -> dict[str, int]:
+        r = self.receiver
+        return {"num_received": r.num_received, "num_failed": r.num_failed, "bytes_received": r.bytes_received}
+
+    def close(self) -> None:
+        self.transport.close()

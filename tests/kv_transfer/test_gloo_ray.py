@@ -1,0 +1,192 @@
+"""Gloo transfers between two Ray actors on the real SmolLM2: prefill on one, decode on the other."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import ray
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from kv_transfer import EpochMismatchError, KVTransferError, LeaseExpiredError, PeerDiedError
+
+# Ray workers cannot import this test module: ship its classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PARAMS = SamplingParams(max_tokens=16, temperature=0)
+WORDS = "the quick brown fox jumps over a lazy dog while seven small robots count prime numbers".split()
+PROMPTS = [" ".join(WORDS[j % len(WORDS)] for j in range(n)) for n in (3, 7, 12, 16, 21, 30, 47, 70)]
+
+
+def _engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model=None, num_threads=1, num_kv_blocks=128, block_size=16))
+
+
+@ray.remote(num_cpus=1, max_concurrency=8)
+class Prefill:
+    def __init__(self, worker_id: str, lease_s: float = 30.0, push_delay_s: float = 0.0):
+        from deployments.kv_endpoint import KVExporter
+
+        self.lock = threading.RLock()
+        self.engine = _engine()
+        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=lease_s,
+                                      timeout_s=20, host="127.0.0.1")
+        self.push_delay_s = push_delay_s
+
+    def prefill(self, rid: str, prompt: str):
+        with self.lock:
+            ids = self.engine.encode_prompt(prompt)
+            self.engine.add_request(rid, ids, PARAMS, prefill_only=True)
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid and out.finished:
+                        assert out.finish_reason == "prefilled", out.finish_reason
+                        return self.kv_exporter.grant(out, len(ids)), ids
+
+    def regrant(self, handle):
+        return self.kv_exporter.leases.grant(handle.request_id, list(handle.block_ids), handle.num_tokens,
+                                             handle.first_token)
+
+    def reap(self, now=None):
+        return self.kv_exporter.leases.reap_expired(now)
+
+    def integrity(self):
+        with self.lock:
+            self.engine.check_integrity()
+            return self.engine.block_manager.num_free_blocks, len(self.kv_exporter.leases)
+
+    # KVExportMixin's methods, with an optional delay before pushing to let a test kill us mid-transfer.
+    def kv_open_channel(self, peer_id):
+        return self.kv_exporter.open_channel(peer_id)
+
+    def kv_push(self, handle, peer_id):
+        time.sleep(self.push_delay_s)
+        self.kv_exporter.push(handle, peer_id)
+
+    def kv_release(self, request_id, epoch):
+        return self.kv_exporter.release(request_id, epoch)
+
+
+@ray.remote(num_cpus=1, max_concurrency=8)
+class Decode:
+    def __init__(self, worker_id: str):
+        from deployments.kv_endpoint import KVImporter
+
+        self.lock = threading.RLock()
+        self.engine = _engine()
+        self.kv_importer = KVImporter(worker_id, self.engine, engine_lock=self.lock, timeout_s=20, host="127.0.0.1")
+
+    def pull(self, handle, prompt_ids, exporter, timeout_s=None):
+        block_ids = self.kv_importer.pull(handle, exporter, timeout_s)
+        with self.lock:
+            self.engine.add_prefilled_request(handle.request_id, prompt_ids, [handle.first_token], PARAMS,
+                                              block_ids, handle.num_tokens)
+        return len(block_ids)
+
+    def run(self):
+        done = {}
+        with self.lock:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out.token_ids
+        return done
+
+    def integrity(self):
+        with self.lock:
+            self.engine.check_integrity()
+            return self.engine.block_manager.num_free_blocks
+
+    def reference(self, prompts):
+        with self.lock:
+            for i, p in enumerate(prompts):
+                self.engine.add_request(f"ref{i}", p, PARAMS)
+        return self.run()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def decode(cluster):
+    return Decode.remote("d0")
+
+
+@pytest.fixture(scope="module")
+def prefill(cluster):
+    return Prefill.remote("p0")
+
+
+@pytest.fixture(scope="module")
+def reference(decode):
+    done = ray.get(decode.reference.remote(PROMPTS))
+    return [done[f"ref{i}"] for i in range(len(PROMPTS))]
+
+
+def test_disaggregated_matches_single_engine(prefill, decode, reference):
+    prefilled = ray.get([prefill.prefill.remote(f"r{i}", p) for i, p in enumerate(PROMPTS)])
+    # all pulls in flight at once over the one channel (the first also opens it)
+    ray.get([decode.pull.remote(h, ids, prefill) for h, ids in prefilled], timeout=120)
+    done = ray.get(decode.run.remote())
+    assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference
+    assert ray.get(prefill.integrity.remote()) == (128, 0)
+    assert ray.get(decode.integrity.remote()) == 128
+
+
+def test_one_decoder_two_prefillers_at_once(prefill, decode, reference):
+    other = Prefill.remote("p1")
+    prefilled = ray.get([(prefill if i % 2 else other).prefill.remote(f"m{i}", p) for i, p in enumerate(PROMPTS)])
+    ray.get([decode.pull.remote(h, ids, prefill if i % 2 else other) for i, (h, ids) in enumerate(prefilled)],
+            timeout=120)
+    done = ray.get(decode.run.remote())
+    assert [done[f"m{i}"] for i in range(len(PROMPTS))] == reference
+    assert ray.get([prefill.integrity.remote(), other.integrity.remote()]) == [(128, 0), (128, 0)]
+    assert ray.get(decode.integrity.remote()) == 128
+    ray.kill(other)
+
+
+def test_expired_lease(cluster, decode):
+    p = Prefill.remote("p-exp", lease_s=0.5)
+    h, ids = ray.get(p.prefill.remote("e0", PROMPTS[4]))
+    time.sleep(0.6)
+    with pytest.raises(LeaseExpiredError):  # seen by the decode side before allocating
+        ray.get(decode.pull.remote(h, ids, p))
+    h, ids = ray.get(p.prefill.remote("e1", PROMPTS[4]))
+    ray.get(p.reap.remote(h.expires_at))  # the exporter reaped it first
+    with pytest.raises(LeaseExpiredError):
+        ray.get(decode.pull.remote(h, ids, p))
+    time.sleep(0.2)
+    assert ray.get(p.integrity.remote()) == (128, 0)
+    assert ray.get(decode.integrity.remote()) == 128
+    ray.kill(p)
+
+
+def test_epoch_mismatch(prefill, decode):
+    old, ids = ray.get(prefill.prefill.remote("x0", PROMPTS[5]))
+    new = ray.get(prefill.regrant.remote(old))
+    with pytest.raises(EpochMismatchError):
+        ray.get(decode.pull.remote(old, ids, prefill))
+    assert ray.get(decode.integrity.remote()) == 128
+    assert ray.get(decode.pull.remote(new, ids, prefill)) == new.num_blocks
+    ray.get(decode.run.remote())
+    assert ray.get(prefill.integrity.remote()) == (128, 0)
+    assert ray.get(decode.integrity.remote()) == 128
+
+
+def test_sender_killed_mid_transfer(cluster, decode):
+    p = Prefill.remote("p-kill", push_delay_s=1.0)
+    h, ids = ray.get(p.prefill.remote("k0", PROMPTS[7]))
+    ref = decode.pull.remote(h, ids, p, 10.0)
+    time.sleep(0.5)  # the decode side is waiting for the header now
+    ray.kill(p)
+    t0 = time.monotonic()
+    with pytest.raises(PeerDiedError):
+        ray.get(ref, timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert ray.get(decode.integrity.remote()) == 128
