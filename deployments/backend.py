@@ -164,7 +164,7 @@ class LocalEngineBackend:
         return {
             "status": "ok" if alive and self.last_error is None else "unhealthy",
             "engine_thread_alive": alive,
-            "num_requests": len(self._streams),
+            "num_requests": self.num_requests,
             "num_running": eng.num_running,
             "num_waiting": eng.num_waiting,
             "num_free_blocks": eng.block_manager.num_free_blocks,
@@ -174,6 +174,11 @@ class LocalEngineBackend:
         }
 
     # ------------------------------------------------------------------ control
+    @property
+    def num_requests(self) -> int:
+        """Requests in flight: accepted by `generate` and neither finished nor aborted."""
+        return len(self._streams)
+
     def run_on_engine(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread between steps; the future holds its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()

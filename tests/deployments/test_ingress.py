@@ -3,6 +3,7 @@ against uvicorn on 127.0.0.1."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -15,7 +16,7 @@ import pytest
 import uvicorn
 
 from deployments.backend import LocalEngineBackend, QueueFullError, TokenDelta
-from deployments.ingress import IncrementalDetokenizer, StopStringFilter, build_openai_app
+from deployments.ingress import IncrementalDetokenizer, StopStringFilter, build_openai_app, configure_openai_app
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 MODEL = "smollm2"
@@ -92,7 +93,7 @@ def wait_drained(backend: LocalEngineBackend, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         busy = backend.run_on_engine(lambda e: e.has_unfinished_requests()).result(timeout=30)
-        if not busy and not backend._streams:
+        if not busy and backend.num_requests == 0:
             break
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.05)
@@ -397,3 +398,76 @@ def test_non_streaming_client_disconnect_aborts_request(engine, backend, server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=1.0))
     wait_drained(backend, timeout_s=5)
+
+
+@pytest.mark.parametrize("num_chunks", [0, 3])
+def test_cancelled_handler_aborts_request(engine, backend, num_chunks):
+    """Ray Serve cancels the handler task when its client goes: before or after the first chunk."""
+    wait_drained(backend)
+    app = build_openai_app(backend, engine.tokenizer, MODEL, engine.max_model_len)
+    body = json.dumps({"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 2000,
+                       "ignore_eos": True, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+
+    async def drive() -> None:
+        sent: asyncio.Queue = asyncio.Queue()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()  # the client never says goodbye; the task is cancelled instead
+
+        task = asyncio.create_task(app(scope, receive, sent.put))
+        if num_chunks == 0:
+            await asyncio.sleep(0.01)
+        n = 0
+        while n < num_chunks:
+            msg = await asyncio.wait_for(sent.get(), 30)
+            n += msg["type"] == "http.response.body"
+        assert backend.num_requests == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(drive())
+    wait_drained(backend, timeout_s=5)
+
+
+def test_app_built_empty_then_configured(engine, backend):
+    app = build_openai_app()
+    srv = _Server(app)
+    try:
+        r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
+        configure_openai_app(app, backend=backend, tokenizer=engine.tokenizer, model_name=MODEL,
+                             max_model_len=engine.max_model_len)
+        r = srv.client().completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=EOS_OFF)
+        assert r.usage.completion_tokens == 2
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+    finally:
+        srv.stop()
+
+
+class _NeverStartsBackend(_FakeBackend):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0) -> AsyncIterator[TokenDelta]:
+        await asyncio.sleep(3600)
+        yield TokenDelta([1])
+
+
+def test_queue_wait_limit_is_503_and_aborts(engine):
+    fake = _NeverStartsBackend()
+    srv = _Server(build_openai_app(fake, engine.tokenizer, MODEL, engine.max_model_len, max_queue_wait_s=0.3))
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True}, timeout=10)
+        assert r.status_code == 503 and "retry-after" in r.headers
+        assert r.json()["error"]["code"] == "queue_timeout"
+        assert time.monotonic() - t0 < 3
+        assert len(fake.aborted) == 1 and fake.aborted[0].startswith("cmpl-")
+    finally:
+        srv.stop()
