@@ -1,0 +1,164 @@
+"""KV transfer throughput: this protocol vs a bare gloo send/recv between the same two Ray actors.
+
+    .venv/bin/python benchmarks/kv_transfer_bench.py [--reps 5]
+
+Rows: the KV of one 512-token SmolLM2 prompt (real prefill), and a 64 MiB payload (91 blocks leased
+without a prefill). Both are timed in the decode actor from "ask the prefill actor to push" to "blocks
+unpacked and acked"; the bare row posts one recv of the same bytes and asks the other actor (same Ray
+call) to send them. Also: the 512-token transfer time as a share of that prompt's prefill time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import ray
+import torch
+
+from deployments.kv_endpoint import KVExporter, KVExportMixin, KVImporter
+from engine import EngineConfig, LLMEngine, SamplingParams
+from kv_transfer.gloo import GlooTransport
+
+PARAMS = SamplingParams(max_tokens=1, temperature=0)
+NUM_BLOCKS = 160  # 91 blocks of 720 KiB = 64 MiB, plus 32 for the 512-token prompt
+
+
+def _engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(model=None, num_threads=1, num_kv_blocks=NUM_BLOCKS, block_size=16))
+
+
+class _BenchExporter(KVExporter):
+    """Frees synthetic leases (blocks allocated without a prefill) with `free_blocks`."""
+
+    synthetic: dict[str, list[int]] = {}
+
+    def _release_blocks(self, request_id: str) -> None:
+        blocks = self.synthetic.pop(request_id, None)
+        if blocks is None:
+            super()._release_blocks(request_id)
+        else:
+            self._engine.free_blocks(blocks)
+
+
+@ray.remote(num_cpus=1, max_concurrency=4)
+class PrefillActor(KVExportMixin):
+    def __init__(self):
+        torch.set_num_threads(1)
+        self.engine = _engine()
+        self.kv_exporter = _BenchExporter("p0", self.engine, host=ray.util.get_node_ip_address())
+        self.bare = GlooTransport(ray.util.get_node_ip_address())
+        self.lock = threading.Lock()
+
+    def prefill(self, rid: str, prompt_ids: list[int]):
+        self.engine.add_request(rid, prompt_ids, PARAMS.__class__(max_tokens=2, temperature=0, ignore_eos=True),
+                                prefill_only=True)
+        t0 = time.perf_counter()
+        while True:
+            for out in self.engine.step():
+                if out.finished:
+                    return self.kv_exporter.grant(out, len(prompt_ids)), time.perf_counter() - t0
+
+    def synthetic(self, rid: str, num_tokens: int):
+        blocks = self.engine.allocate_blocks(num_tokens)
+        self.engine.runner.kv_cache[:, :, blocks].normal_()
+        self.kv_exporter.synthetic[rid] = blocks
+        return self.kv_exporter.leases.grant(rid, blocks, num_tokens, 0)
+
+    def bare_listen(self):
+        return self.bare.listen("d0")
+
+    def bare_send(self, nbytes: int):
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf.numel() != nbytes:
+            self._buf = buf = torch.ones(nbytes, dtype=torch.uint8)
+        self.bare.send(buf, "d0", 30)
+
+    def free_blocks(self):
+        return self.engine.block_manager.num_free_blocks
+
+
+@ray.remote(num_cpus=1, max_concurrency=4)
+class DecodeActor:
+    def __init__(self):
+        torch.set_num_threads(1)
+        self.engine = _engine()
+        self.kv_importer = KVImporter("d0", self.engine, host=ray.util.get_node_ip_address())
+        self.bare = GlooTransport(ray.util.get_node_ip_address())
+
+    def pull(self, handle, exporter) -> float:
+        t0 = time.perf_counter()
+        blocks = self.kv_importer.pull(handle, exporter)
+        dt = time.perf_counter() - t0
+        self.engine.free_blocks(blocks)
+        return dt
+
+    def bare_connect(self, host, port):
+        self.bare.connect("p0", host, port)
+
+    def bare_recv(self, nbytes: int, exporter) -> float:
+        buf = getattr(self, "_buf", None)
+        if buf is None or buf.numel() != nbytes:
+            self._buf = buf = torch.empty(nbytes, dtype=torch.uint8)
+        t0 = time.perf_counter()
+        pending = self.bare.channel("p0").irecv(buf)
+        ref = exporter.bare_send.remote(nbytes)
+        pending.wait(30)
+        dt = time.perf_counter() - t0
+        ray.get(ref)
+        return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    p, d = PrefillActor.remote(), DecodeActor.remote()
+    ray.get(d.bare_connect.remote(*ray.get(p.bare_listen.remote())))
+    prompt = [1 + (i * 31) % 40000 for i in range(512)]
+
+    rows = []
+    prefill_s, kv_s = [], []
+    for rep in range(args.reps + 1):
+        handle, t_prefill = ray.get(p.prefill.remote(f"r{rep}", prompt))
+        t = ray.get(d.pull.remote(handle, p))
+        if rep:  # rep 0 warms up (opens the channel)
+            prefill_s.append(t_prefill)
+            kv_s.append(t)
+    nbytes_512 = handle.nbytes
+    mib64 = 64 << 20
+    syn_s = []
+    for rep in range(args.reps + 1):
+        h = ray.get(p.synthetic.remote(f"s{rep}", 91 * 16))
+        t = ray.get(d.pull.remote(h, p))
+        if rep:
+            syn_s.append(t)
+    nbytes_64 = h.nbytes
+    bare = {}
+    for nbytes in (nbytes_512, nbytes_64):
+        ts = [ray.get(d.bare_recv.remote(nbytes, p)) for _ in range(args.reps + 1)][1:]
+        bare[nbytes] = statistics.median(ts)
+    assert ray.get(p.free_blocks.remote()) == NUM_BLOCKS
+
+    def mbps(nbytes, s):
+        return nbytes / 2**20 / s
+
+    t512, t64 = statistics.median(kv_s), statistics.median(syn_s)
+    tp = statistics.median(prefill_s)
+    rows = [("512-token prompt KV", nbytes_512, t512, bare[nbytes_512]),
+            (f"{nbytes_64 / 2**20:.1f} MiB payload", nbytes_64, t64, bare[nbytes_64])]
+    print(f"\nKV transfer, gloo, 2 Ray actors on one node (median of {args.reps})")
+    print(f"{'payload':<22}{'MiB':>8}{'protocol ms':>13}{'MiB/s':>9}{'bare ms':>10}{'MiB/s':>9}{'vs bare':>9}")
+    for name, nbytes, t, tb in rows:
+        print(f"{name:<22}{nbytes / 2**20:>8.1f}{t * 1e3:>13.1f}{mbps(nbytes, t):>9.0f}{tb * 1e3:>10.1f}"
+              f"{mbps(nbytes, tb):>9.0f}{tb / t:>9.0%}")
+    print(f"\n512-token prefill: {tp * 1e3:.0f} ms; its KV transfer: {t512 * 1e3:.1f} ms = {t512 / tp:.1%} of prefill")
+    print(f"(pull all reps, ms: {[round(x * 1e3, 1) for x in kv_s]}; 64 MiB: {[round(x * 1e3, 1) for x in syn_s]})")
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
