@@ -229,6 +229,12 @@ class LocalEngineBackend:
                 self._fail_all("error", self.last_error)
                 continue
             self.num_steps += 1
+            if not outputs and eng.last_step.num_seqs == 0:
+                # NOTE: the scheduler held its batch back (static/dynamic batching waits to fill):
+                # nap instead of spinning, but wake at once for new commands.
+                with self._cv:
+                    if not self._commands and not self._closed:
+                        self._cv.wait(timeout=0.005)
             for out in outputs:
                 self._deliver(out.request_id, TokenDelta(
                     list(out.new_token_ids), out.finished, out.finish_reason, None, out.num_prompt_tokens))

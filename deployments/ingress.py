@@ -349,6 +349,10 @@ class _ClientGone(Exception):
     pass
 
 
+class _WaitExpired(Exception):
+    pass
+
+
 async def _wait_for_disconnect(request: Request) -> None:
     # The body is already read, so the next ASGI message is the disconnect.
     while True:
@@ -358,7 +362,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 async def _unless_disconnected(request: Request, aw: Awaitable[T], timeout_s: float | None = None) -> T:
-    """Await `aw`, cancelling it if the client disconnects (raises _ClientGone) or it times out."""
+    """Await `aw`, cancelling it if the client disconnects (_ClientGone) or `timeout_s` passes (_WaitExpired)."""
     task = asyncio.ensure_future(aw)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -373,7 +377,7 @@ async def _unless_disconnected(request: Request, aw: Awaitable[T], timeout_s: fl
         return task.result()
     if watcher in done:
         raise _ClientGone()
-    raise asyncio.TimeoutError()
+    raise _WaitExpired()
 
 
 async def _start(request: Request, stream: TextStream, state: IngressState, rename: dict[str, str]) -> None:
@@ -385,7 +389,7 @@ async def _start(request: Request, stream: TextStream, state: IngressState, rena
                        headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}) from None
     except InvalidRequestError as e:
         raise APIError.from_invalid(e, rename) from None
-    except asyncio.TimeoutError:
+    except _WaitExpired:
         await stream.close()
         raise APIError(503, f"no capacity within {state.max_queue_wait_s}s; retry later", "server_error",
                        code="queue_timeout", headers={"Retry-After": "1"}) from None
@@ -428,7 +432,8 @@ async def _completions(request: Request) -> Response:
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     else:
         if any(t < 0 or t >= state.vocab_size for t in prompt):
-            raise APIError.bad_request(f"prompt: token ids must be in [0, {state.vocab_size})", "prompt", "invalid_value")
+            raise APIError.bad_request(f"prompt: token ids must be in [0, {state.vocab_size})", "prompt",
+                                       "invalid_value")
         prompt_ids = list(prompt)
     if not prompt_ids:
         raise APIError.bad_request("prompt: encodes to no tokens", "prompt", "invalid_value")
