@@ -1,0 +1,59 @@
+"""The `pdserve` command line: `serve` (the server), `demo` (offline generation), `bench` (load generator)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, num_threads=args.threads)
+    print(f"loaded {llm.engine.model_dir} in {time.perf_counter() - t0:.1f}s")
+    questions = args.prompt or ["What is the capital of France?", "Give me three uses of a paperclip.",
+                                "Write one sentence about the moon."]
+    t0 = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": q}] for q in questions],
+                    SamplingParams(max_tokens=args.max_tokens, temperature=0))
+    dt = time.perf_counter() - t0
+    for q, o in zip(questions, outs):
+        print(f"\n> {q}\n{o.text}")
+    n = sum(len(o.token_ids) for o in outs)
+    print(f"\n{n} tokens in {dt:.2f}s ({n / dt:.1f} tok/s, batch of {len(outs)})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="offline generation on the engine alone (no Ray)")
+    d.add_argument("--model", default=None, help="HF dir, .gguf file or cached hub id (default: embedded SmolLM2)")
+    d.add_argument("--threads", type=int, default=None)
+    d.add_argument("--max-tokens", type=int, default=64)
+    d.add_argument("prompt", nargs="*")
+    d.set_defaults(func=_demo)
+    try:
+        from deployments.serve_cli import add_serve_parser
+    except ImportError:
+        pass
+    else:
+        add_serve_parser(sub)
+    try:
+        from deployments.bench_cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

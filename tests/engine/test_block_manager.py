@@ -1,0 +1,43 @@
+import pytest
+
+from engine.block_manager import BlockManager, OutOfBlocksError
+
+
+def test_allocate_free_exact_ids_and_order():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = bm.allocate(2)
+    b = bm.allocate(3)
+    assert a == [0, 1] and b == [2, 3, 4]
+    assert bm.num_free_blocks == 1
+    bm.free(a)
+    # Freed blocks go to the back of the queue, after the never-used block 5.
+    assert list(bm._free) == [5, 0, 1]
+    assert bm.allocate(2) == [5, 0]
+    bm.check_integrity()
+
+
+def test_refcounts_and_out_of_blocks():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    ids = bm.allocate(2)
+    bm.incref(ids)
+    bm.free(ids)
+    assert bm.num_free_blocks == 1  # still referenced once
+    with pytest.raises(OutOfBlocksError):
+        bm.allocate(2)
+    bm.free(ids)
+    assert bm.num_free_blocks == 3
+    assert bm.blocks_for_tokens(5) == 3 and bm.blocks_for_tokens(4) == 2
+    bm.check_integrity()
+
+
+def test_integrity_check_catches_leak_and_double_free():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    ids = bm.allocate(1)
+    bm._ref_counts[ids[0]] = 0  # simulate a leak: neither free nor referenced
+    with pytest.raises(AssertionError):
+        bm.check_integrity()
+    bm2 = BlockManager(num_blocks=2, block_size=2)
+    x = bm2.allocate(1)
+    bm2.free(x)
+    with pytest.raises(AssertionError):
+        bm2.free(x)

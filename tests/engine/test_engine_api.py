@@ -1,0 +1,195 @@
+"""Engine behaviour on the tiny model: bad input, abort, sampling, batching policies, the offline API."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, EngineConfig, InvalidRequestError, LLMEngine, PromptTooLongError, SamplingParams
+from engine.errors import EngineConfigError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_model_len=200)
+
+
+@pytest.fixture(autouse=True)
+def _integrity(request):
+    yield
+    if "llm" in request.fixturenames:
+        eng = request.getfixturevalue("llm").engine
+        eng.check_integrity()
+        assert eng.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(stop=[3]), "stop"),
+    (dict(stop=5), "stop"),
+    (dict(top_k=-2), "top_k"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(InvalidRequestError) as exc:
+        SamplingParams(**kwargs)
+    assert exc.value.field == field
+    assert isinstance(exc.value, ValueError)
+
+
+def test_bad_prompts_rejected_and_engine_keeps_serving(llm):
+    eng = llm.engine
+    eng.add_request("good", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0))
+    with pytest.raises(InvalidRequestError) as e1:
+        eng.add_request("empty", "", SamplingParams())
+    assert e1.value.field == "prompt"
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("empty2", [], SamplingParams())
+    with pytest.raises(PromptTooLongError) as e2:
+        eng.add_request("long", [5] * 500, SamplingParams())
+    assert e2.value.field == "prompt"
+    with pytest.raises(InvalidRequestError):
+        eng.add_request("vocab", [10**9], SamplingParams())
+    with pytest.raises(InvalidRequestError) as e3:
+        eng.add_request("good", [1, 2], SamplingParams())
+    assert e3.value.field == "request_id"
+    with pytest.raises(InvalidRequestError):
+        llm.generate(["fine prompt", ""], SamplingParams(max_tokens=3))
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert list(done) == ["good"] and len(done["good"].token_ids) == 5
+
+
+def test_bad_engine_config():
+    with pytest.raises(EngineConfigError, match="static, dynamic, continuous"):
+        EngineConfig(batching="weird")
+    with pytest.raises(EngineConfigError, match="block_size"):
+        EngineConfig(block_size=0)
+
+
+def test_abort_mid_generation_frees_blocks(llm):
+    eng = llm.engine
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    eng.add_request("a", list(range(10, 40)), params)
+    eng.add_request("b", list(range(50, 60)), params)
+    for _ in range(5):
+        eng.step()
+    assert eng.block_manager.num_used_blocks > 0
+    assert eng.abort("a")
+    assert not eng.abort("nope")
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    assert all(o.request_id == "b" for o in outs)
+    assert eng.block_manager.num_used_blocks == 0
+
+
+def test_seeded_sampling_reproducible_whatever_the_batch(llm):
+    sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate([[9, 8, 7, 6]], sp)[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=1.0, ignore_eos=True) for _ in range(5)]
+    batch = llm.generate([[1, 2, 3], [9, 8, 7, 6], [4] * 30, [11, 12], [13] * 7, [14]], [others[0], sp, *others[1:]])
+    assert batch[1].token_ids == alone
+    differently_seeded = llm.generate([[9, 8, 7, 6]], SamplingParams(max_tokens=12, temperature=0.9, seed=99, ignore_eos=True))
+    assert differently_seeded[0].token_ids != alone
+
+
+def test_stop_tokens_max_tokens_ignore_eos_min_tokens(llm):
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    base = llm.generate([[5, 6, 7]], greedy)[0]
+    assert len(base.token_ids) == 10 and base.finish_reason == "length"
+    stop_tok = base.token_ids[4]
+    first = base.token_ids.index(stop_tok)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_tok]))[0]
+    assert out.token_ids == base.token_ids[:first] and out.finish_reason == "stop"
+    # min_tokens bans the stop token until enough tokens exist.
+    out2 = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=10, temperature=0, stop_token_ids=[stop_tok],
+                                                    min_tokens=first + 1))[0]
+    assert len(out2.token_ids) > first
+
+
+def test_stop_string_cuts_text(llm):
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    base = llm.generate([[20, 21, 22]], greedy)[0]
+    text = base.text
+    assert len(text) > 4
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    out = llm.generate([[20, 21, 22]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[: text.index(stop)]
+
+
+def test_text_and_token_prompts_agree(llm):
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    ids = llm.tokenizer.encode("hello there", add_special_tokens=False)
+    a, b = llm.generate(["hello there", ids], sp)
+    assert a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("policy", ["static", "dynamic", "continuous"])
+def test_batching_policies_same_greedy_output(tiny_model_dir, policy):
+    eng_llm = LLM(model=tiny_model_dir("llama"), num_kv_blocks=128, block_size=4, batching=policy,
+                  max_num_seqs=3, max_wait_s=0.0)
+    prompts = [[i + 3] * (i + 2) for i in range(7)]
+    sp = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(7)]
+    outs = eng_llm.generate(prompts, sp)
+    ref = LLM(model=tiny_model_dir("llama"), num_kv_blocks=128, block_size=4, max_num_seqs=1).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    eng_llm.engine.check_integrity()
+
+
+def test_static_batch_runs_to_completion_before_admitting(tiny_model_dir):
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=128, block_size=4, batching="static",
+                                 max_num_seqs=2))
+    sp_long = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sp_short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    eng.add_request("long", [3, 4, 5], sp_long)
+    eng.step()
+    assert eng.last_step.num_seqs == 0  # a static batch waits until it is full
+    eng.add_request("short", [6, 7], sp_short)
+    eng.add_request("late", [8, 9], sp_short)
+    eng.scheduler.draining = True  # no more arrivals: the last, partial batch may start
+    finished_order = []
+    saw_late_with_long = False
+    while eng.has_unfinished_requests():
+        running = {r.request_id for r in eng.scheduler.running}
+        saw_late_with_long |= {"late", "long"} <= running
+        finished_order += [o.request_id for o in eng.step() if o.finished]
+    assert not saw_late_with_long
+    assert finished_order == ["short", "long", "late"]
+
+
+def test_dynamic_batch_starts_after_max_wait(tiny_model_dir):
+    import time
+
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, batching="dynamic",
+                                 max_num_seqs=8, max_wait_s=0.05))
+    eng.add_request("x", [3, 4], SamplingParams(max_tokens=2, temperature=0))
+    assert eng.step() == []
+    time.sleep(0.06)
+    eng.step()
+    assert eng.last_step.num_seqs == 1
+
+
+def test_priority_runs_first(tiny_model_dir):
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_num_seqs=1))
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    eng.add_request("low", [3, 4], sp, priority=5)
+    eng.add_request("high", [3, 4], sp, priority=-1)
+    order = []
+    while eng.has_unfinished_requests():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["high", "low"]
+
+
+def test_default_model_chat_answers_paris():
+    llm = LLM(num_kv_blocks=64)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=20, temperature=0))[0]
+    assert "Paris" in out.text
+    llm.engine.check_integrity()
