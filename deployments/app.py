@@ -1,0 +1,70 @@
+"""The Serve application: an OpenAI-compatible ingress in front of the router and its worker pools.
+
+`build_app(args)` is the thin public builder (also the `import_path` for `serve run` / `serve deploy`):
+it checks the whole config up front and says what to fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+import ray
+from ray import serve
+
+from deployments.config import ServeConfig
+from deployments.ingress import build_openai_app
+from deployments.router import Router
+from deployments.router_backend import RouterBackend
+from deployments.stream_hub import StreamHub
+
+logger = logging.getLogger(__name__)
+
+ROUTER_NAME = "pdserve-router"
+NAMESPACE = "pdserve"
+
+
+def get_or_create_router(config: ServeConfig) -> Any:
+    """The one router of this cluster (a detached named actor; it owns the worker pools)."""
+    return Router.options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(config)
+
+
+def shutdown_router(timeout_s: float = 30.0) -> None:
+    """Kill the router and its workers (they are owned by it)."""
+    try:
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return
+    try:
+        ray.get(router.shutdown.remote(), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - it may be dead already
+        pass
+    ray.kill(router)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(self, config: dict):
+        cfg = ServeConfig.from_dict(config)
+        from transformers import AutoTokenizer
+
+        self.router = get_or_create_router(cfg)
+        info = ray.get(self.router.wait_ready.remote(900.0), timeout=960.0)
+        hub_id = f"hub-{uuid.uuid4().hex[:8]}"
+        self.hub = StreamHub.options(name=None).remote()
+        tokenizer = AutoTokenizer.from_pretrained(info["model_dir"])
+        self.backend = RouterBackend(self.router, self.hub, hub_id, cfg.request_timeout_s)
+        self._asgi = build_openai_app(self.backend, tokenizer, cfg.served_model_name, info["max_model_len"],
+                                      api_key=cfg.api_key, vocab_size=info["vocab_size"])
+
+    def __serve_build_asgi_app__(self):
+        # NOTE: built per replica after __init__, so the app holds this replica's backend and hub.
+        return self._asgi
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    """Build the pdserve application from a settings dict (see README "Server settings")."""
+    cfg = ServeConfig.from_dict(args or {})
+    return OpenAIIngress.options(num_replicas=cfg.ingress_replicas).bind(cfg.to_dict())

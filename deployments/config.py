@@ -1,0 +1,85 @@
+"""Serving settings: one frozen dataclass, checked when built, shared by the CLI, the app builder and
+the actors. Every field is documented in README.md ("Server settings")."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from engine import EngineConfig
+from engine.errors import EngineConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    model: str | None = None
+    model_name: str | None = None  # the name clients pass as `model`; default: derived from the model
+    num_prefill_workers: int = 1
+    num_decode_workers: int = 1
+    # Resources per worker actor: on a GPU cluster num_gpus=1 and the custom resources pin node types.
+    worker_num_cpus: float = 1.0
+    worker_num_gpus: float = 0.0
+    prefill_resources: dict[str, float] = field(default_factory=dict)
+    decode_resources: dict[str, float] = field(default_factory=dict)
+    threads_per_worker: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory_mb: int = 512
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    # Router: requests admitted but not yet decoding, beyond which new ones get 429.
+    max_queued_requests: int = 256
+    kv_lease_s: float = 60.0
+    kv_transfer_timeout_s: float = 30.0
+    # A request that has produced nothing for this long ends with an error instead of hanging.
+    request_timeout_s: float = 300.0
+    api_key: str | None = None
+    http_host: str = "127.0.0.1"
+    http_port: int = 8000
+    ingress_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill_workers", "num_decode_workers", "threads_per_worker", "max_queued_requests"):
+            if getattr(self, name) < 1:
+                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.worker_num_cpus < 0 or self.worker_num_gpus < 0:
+            raise EngineConfigError("worker_num_cpus / worker_num_gpus must be >= 0")
+        for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be > 0")
+        self.engine_config()  # checks the engine fields too
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+                            kv_cache_memory_mb=self.kv_cache_memory_mb, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+                            num_threads=self.threads_per_worker)
+
+    @property
+    def served_model_name(self) -> str:
+        if self.model_name:
+            return self.model_name
+        if self.model is None:
+            from engine.model_loader import DEFAULT_MODEL_NAME
+
+            return DEFAULT_MODEL_NAME
+        return self.model.rstrip("/").split("/")[-1].removesuffix(".gguf")
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> ServeConfig:
+        """Build from a `serve run` args dict; aliases `prefill_workers`/`decode_workers` are accepted."""
+        args = dict(args or {})
+        aliases = {"prefill_workers": "num_prefill_workers", "decode_workers": "num_decode_workers"}
+        for a, real in aliases.items():
+            if a in args:
+                args[real] = args.pop(a)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise EngineConfigError(f"unknown setting(s) {unknown}; valid: {sorted(known)}")
+        return cls(**args)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,248 @@
+"""Prefill and decode worker actors. Each owns one `LLMEngine` stepped by one background thread.
+
+Actor methods run on Ray's thread pool (max_concurrency) and touch the engine only under `self.lock`.
+Tokens go straight to the ingress replica's StreamHub; the router gets one small message per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import ray
+import torch
+
+from deployments.config import ServeConfig
+from deployments.kv_endpoint import KVExporter, KVExportMixin, KVImporter
+from deployments.messages import DecodeReport, GenRequest, StreamEvent
+from engine import LLMEngine, RequestOutput
+from kv_transfer import KVHandle, KVTransferError
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.02
+
+
+class _EngineWorker:
+    role = "worker"
+
+    def __init__(self, worker_id: str, config: ServeConfig, router: Any):
+        torch.set_num_threads(config.threads_per_worker)
+        self.worker_id = worker_id
+        self.config = config
+        self.router = router
+        self.engine = LLMEngine(config.engine_config())
+        self.lock = threading.RLock()
+        self._wake = threading.Event()
+        self._alive = True
+        self.requests: dict[str, GenRequest] = {}
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-loop", daemon=True)
+
+    def _start(self) -> None:
+        """Subclasses call this last in __init__, once everything the loop touches exists."""
+        self._thread.start()
+
+    # ------------------------------------------------------------------ actor API
+    def info(self) -> dict:
+        e = self.engine
+        return {"worker_id": self.worker_id, "role": self.role, "model_dir": e.model_dir,
+                "max_model_len": e.max_model_len, "vocab_size": e.vocab_size,
+                "num_blocks": e.block_manager.num_blocks, "block_size": e.block_manager.block_size,
+                "node_ip": ray.util.get_node_ip_address()}
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            self.requests.pop(request_id, None)
+            return self.engine.abort(request_id)
+
+    def check_integrity(self) -> dict:
+        """Runs the block manager's integrity check; returns block use for the caller's assertions."""
+        with self.lock:
+            self.engine.check_integrity()
+            bm = self.engine.block_manager
+            return {"num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
+                    "num_requests": len(self.requests), "num_steps": self.num_steps}
+
+    def shutdown(self) -> None:
+        self._alive = False
+        self._wake.set()
+
+    # ------------------------------------------------------------------ loop
+    def _idle(self) -> None:
+        pass
+
+    def _loop(self) -> None:
+        while self._alive:
+            with self.lock:
+                busy = self.engine.has_unfinished_requests()
+            if not busy:
+                self._idle()
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                with self.lock:
+                    outs = self.engine.step()
+                    stats = self.engine.last_step
+                self.num_steps += 1
+                self._after_step(outs, stats)
+            except Exception as exc:  # noqa: BLE001 - a broken step must not kill the worker silently
+                logger.exception("%s: step failed", self.worker_id)
+                self._fail_all(f"{self.role} step failed: {exc!r}")
+
+    def _fail_all(self, message: str) -> None:
+        with self.lock:
+            reqs = list(self.requests.values())
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            self.requests.clear()
+        self._push([StreamEvent(r.request_id, r.offset, [], True, "error", message) for r in reqs], reqs)
+        for r in reqs:
+            self.router.on_finished.remote(self.worker_id, r.request_id)
+
+    def _push(self, events: list[StreamEvent], reqs: list[GenRequest]) -> None:
+        """One fire-and-forget call per ingress hub with all of this step's events."""
+        by_hub: dict[str, list[StreamEvent]] = defaultdict(list)
+        hubs: dict[str, Any] = {}
+        for ev, req in zip(events, reqs):
+            by_hub[req.hub_id].append(ev)
+            hubs[req.hub_id] = req.hub
+        for hub_id, evs in by_hub.items():
+            hubs[hub_id].push.remote(evs)
+
+    def _after_step(self, outs: list[RequestOutput], stats) -> None:
+        raise NotImplementedError
+
+
+@ray.remote(max_concurrency=16)
+class PrefillWorker(KVExportMixin, _EngineWorker):
+    """Runs prompts in prefill-only mode (batched by token budget), streams the first token at once,
+    and leases the KV blocks until a decode worker pulls them."""
+
+    role = "prefill"
+
+    def __init__(self, worker_id: str, config: ServeConfig, router: Any):
+        _EngineWorker.__init__(self, worker_id, config, router)
+        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s)
+        self._start()
+
+    def add(self, req: GenRequest) -> None:
+        try:
+            with self.lock:
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
+                                        prefill_only=True)
+                self.requests[req.request_id] = req
+        except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
+            self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
+            self.router.on_finished.remote(self.worker_id, req.request_id)
+            return
+        self._wake.set()
+
+    def queued_prompt_tokens(self) -> int:
+        with self.lock:
+            return sum(len(r.prompt_token_ids) for r in self.requests.values())
+
+    def _idle(self) -> None:
+        self.kv_exporter.reap_expired()
+
+    def _after_step(self, outs: list[RequestOutput], stats) -> None:
+        events, reqs = [], []
+        for out in outs:
+            with self.lock:
+                req = self.requests.pop(out.request_id, None)
+            if req is None:  # aborted while its step ran
+                if out.finish_reason == "prefilled":
+                    with self.lock:
+                        self.engine.release_prefilled(out.request_id)
+                continue
+            ev = StreamEvent(req.request_id, req.offset, list(out.new_token_ids),
+                             num_prompt_tokens=req.num_original_prompt_tokens)
+            if out.finish_reason == "prefilled":
+                handle = self.kv_exporter.grant(out, out.num_prompt_tokens)
+                self.router.on_prefilled.remote(self.worker_id, req.request_id, handle)
+            else:
+                ev.finished, ev.finish_reason = True, out.finish_reason
+                self.router.on_finished.remote(self.worker_id, req.request_id)
+            events.append(ev)
+            reqs.append(req)
+        self._push(events, reqs)
+
+    def kv_stats(self) -> dict:
+        return self.kv_exporter.stats()
+
+
+@ray.remote(max_concurrency=32)
+class DecodeWorker(_EngineWorker):
+    """Pulls prefilled KV, decodes in one continuous batch, reports to the router after every step."""
+
+    role = "decode"
+
+    def __init__(self, worker_id: str, config: ServeConfig, router: Any):
+        _EngineWorker.__init__(self, worker_id, config, router)
+        self.kv_importer = KVImporter(worker_id, self.engine, engine_lock=self.lock,
+                                      timeout_s=config.kv_transfer_timeout_s)
+        self._aborted: set[str] = set()
+        self._start()
+
+    def admit(self, req: GenRequest, handle: KVHandle, prefill_actor: Any) -> bool:
+        """Fetch the KV from `prefill_actor` and join the running batch. False (router re-prefills) on
+        any transfer failure; blocks on both sides are already freed then."""
+        try:
+            block_ids = self.kv_importer.pull(handle, prefill_actor)
+        except KVTransferError as exc:
+            logger.warning("%s: KV pull of %s failed: %r", self.worker_id, req.request_id, exc)
+            return False
+        with self.lock:
+            if req.request_id in self._aborted:
+                self._aborted.discard(req.request_id)
+                self.engine.free_blocks(block_ids)
+                return True
+            self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token], req.params,
+                                              block_ids, handle.num_tokens, priority=req.priority)
+            self.requests[req.request_id] = req
+        self._wake.set()
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            known = request_id in self.requests
+            if not known:
+                self._aborted.add(request_id)  # a pull may be in flight
+            return _EngineWorker.abort(self, request_id)
+
+    def report(self) -> DecodeReport:
+        with self.lock:
+            bm = self.engine.block_manager
+            return DecodeReport(self.worker_id, bm.num_free_blocks, bm.num_blocks, self.engine.num_running,
+                                self.engine.num_waiting)
+
+    def _after_step(self, outs: list[RequestOutput], stats) -> None:
+        events, reqs, finished = [], [], []
+        with self.lock:
+            for out in outs:
+                req = self.requests.get(out.request_id)
+                if req is None:
+                    continue
+                offset = req.offset + len(out.token_ids) - len(out.new_token_ids)
+                ev = StreamEvent(req.request_id, offset, list(out.new_token_ids),
+                                 num_prompt_tokens=req.num_original_prompt_tokens)
+                if out.finished:
+                    ev.finished, ev.finish_reason = True, out.finish_reason
+                    del self.requests[out.request_id]
+                    finished.append(out.request_id)
+                events.append(ev)
+                reqs.append(req)
+            report = self.report()
+        self._push(events, reqs)
+        report.finished_ids = finished
+        report.batch_size = stats.num_seqs
+        report.step_s = stats.duration_s
+        report.num_preempted = stats.num_preempted
+        self.router.report_decode.remote(report)
