@@ -1,0 +1,86 @@
+"""`pdserve serve`: start (or join) Ray, deploy the app, print the URL, serve until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="start the OpenAI-compatible server (Ray + Serve)")
+    s.add_argument("--model", default=None, help="HF dir, .gguf file or cached hub id (default: embedded SmolLM2)")
+    s.add_argument("--model-name", default=None, help="name clients pass as `model` (default: from the model)")
+    s.add_argument("--prefill-workers", type=int, default=1)
+    s.add_argument("--decode-workers", type=int, default=1)
+    s.add_argument("--threads-per-worker", type=int, default=1)
+    s.add_argument("--worker-num-cpus", type=float, default=1.0)
+    s.add_argument("--worker-num-gpus", type=float, default=0.0, help="1 on a GPU cluster")
+    s.add_argument("--device", default="cpu", help="torch device of the workers (cuda on GPU nodes)")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--kv-cache-memory-mb", type=int, default=512)
+    s.add_argument("--max-num-seqs", type=int, default=64)
+    s.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--max-queued-requests", type=int, default=256)
+    s.add_argument("--cluster-resources", action="store_true",
+                   help="pin workers to nodes with the `prefill` / `decode` custom resources (cluster.yaml)")
+    s.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $PDSERVE_API_KEY)")
+    s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to expose it)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
+    s.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app, shutdown_router
+    from deployments.config import ServeConfig
+
+    cfg = ServeConfig(
+        model=args.model, model_name=args.model_name, num_prefill_workers=args.prefill_workers,
+        num_decode_workers=args.decode_workers, threads_per_worker=args.threads_per_worker,
+        worker_num_cpus=args.worker_num_cpus, worker_num_gpus=args.worker_num_gpus, device=args.device,
+        dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory_mb, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_queued_requests=args.max_queued_requests, api_key=args.api_key, http_host=args.host,
+        http_port=args.port,
+        prefill_resources={"prefill": 0.01} if args.cluster_resources else {},
+        decode_resources={"decode": 0.01} if args.cluster_resources else {},
+    )
+    if args.address:
+        ray.init(address=args.address)
+    else:
+        needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
+        ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False)
+    serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
+    t0 = time.perf_counter()
+    print(f"pdserve: starting {cfg.num_prefill_workers} prefill + {cfg.num_decode_workers} decode workers "
+          f"for {cfg.served_model_name} ...", flush=True)
+    serve.run(build_app(cfg.to_dict()), name="pdserve", route_prefix="/")
+    url = f"http://{cfg.http_host}:{cfg.http_port}"
+    print(f"pdserve: ready in {time.perf_counter() - t0:.0f}s at {url}/v1  (model: {cfg.served_model_name})", flush=True)
+    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
+          flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    print("pdserve: shutting down", flush=True)
+    serve.shutdown()
+    shutdown_router()
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(0)

@@ -1,0 +1,175 @@
+"""The whole stack on CPU: Serve ingress -> router -> 2 prefill + 2 decode actors, real SmolLM2, the
+official openai client. Greedy outputs must equal the offline engine's."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import ray
+from openai import OpenAI
+from ray import serve
+
+from deployments.app import NAMESPACE, ROUTER_NAME, build_app, shutdown_router
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+    "Explain what a KV cache is in one sentence.", "Hi", "What is 12 times 7?", "Why is the sky blue?",
+    "Name a famous painting by Leonardo da Vinci.", "Give me a synonym for happy.", "What do bees make?",
+    "Describe a cat in five words.", "What is the boiling point of water?", "Say hello in French.",
+    "Count from one to five.", "What color is grass?", "Name a planet in our solar system.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app({"num_prefill_workers": 2, "num_decode_workers": 2, "kv_cache_memory_mb": 96,
+                         "max_num_seqs": 16}), name="pdserve", route_prefix="/")
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    yield f"http://127.0.0.1:{port}", router
+    serve.shutdown()
+    shutdown_router()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLMEngine(EngineConfig(model=None, num_kv_blocks=256))
+
+
+def offline_chat(engine: LLMEngine, question: str, max_tokens: int) -> str:
+    ids = engine.apply_chat_template([{"role": "user", "content": question}])
+    rid = f"ref-{time.monotonic_ns()}"
+    engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                return o.text
+    raise AssertionError("no output")
+
+
+def offline_completion_ids(engine: LLMEngine, prompt: str, max_tokens: int) -> list[int]:
+    rid = f"ref-{time.monotonic_ns()}"
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                return o.token_ids
+    raise AssertionError("no output")
+
+
+def assert_no_leaks(router, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        use = ray.get(router.check_integrity.remote(), timeout=30)  # raises if any worker's check fails
+        if all(u["num_used_blocks"] == 0 and u["num_requests"] == 0 for u in use.values()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks still held: {use}")
+        time.sleep(0.2)
+
+
+def test_openai_client_chat_and_completions_match_offline(server, offline):
+    url, router = server
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    q = QUESTIONS[0]
+    want = offline_chat(offline, q, 24)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=24,
+                                       temperature=0)
+    assert r.choices[0].message.content == want
+    assert "Paris" in want
+    chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=24,
+                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    parts, usage = [], None
+    for ch in chunks:
+        if ch.choices and ch.choices[0].delta.content:
+            parts.append(ch.choices[0].delta.content)
+        if ch.usage:
+            usage = ch.usage
+    assert "".join(parts) == want
+    assert usage is not None and usage.completion_tokens > 0
+
+    prompt = "The three primary colors are"
+    want_ids = offline_completion_ids(offline, prompt, 16)
+    want_text = offline.tokenizer.decode(want_ids, skip_special_tokens=True)
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    assert c.choices[0].text == want_text
+    assert c.usage.completion_tokens == len(want_ids)
+    s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in s if ch.choices) == want_text
+    assert_no_leaks(router)
+
+
+def test_16_concurrent_streams_join_running_batches(server, offline):
+    url, router = server
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    wants = [offline_chat(offline, q, 32) for q in QUESTIONS]
+
+    def one(q: str) -> str:
+        out = []
+        for ch in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
+                                                 max_tokens=32, temperature=0, stream=True):
+            if ch.choices and ch.choices[0].delta.content:
+                out.append(ch.choices[0].delta.content)
+        return "".join(out)
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, QUESTIONS))
+    assert got == wants
+    stats = ray.get(router.stats.remote())
+    assert stats["counters"]["finished"] >= 16
+    assert all(d["num_steps"] > 0 for d in stats["decode"].values()), stats  # both decode workers served
+    assert max(d["max_batch_seen"] for d in stats["decode"].values()) > 1, stats
+    assert_no_leaks(router)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi " * 9000}, 400, "prompt"),
+    ({"model": "no-such-model", "prompt": "hi"}, 404, "model"),
+])
+def test_bad_input_gets_openai_errors(server, body, status, param):
+    url, router = server
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["param"] == param
+    bad = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", timeout=60,
+                     headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and "error" in bad.json()
+    ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_disconnect_mid_stream_frees_blocks_everywhere(server):
+    url, router = server
+    body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                json.loads(line[6:])
+                n += 1
+            if n >= 5:
+                break
+    assert_no_leaks(router, timeout_s=30)
+    stats = ray.get(router.stats.remote())
+    assert stats["counters"]["aborted"] >= 1
