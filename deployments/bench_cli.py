@@ -1,0 +1,463 @@
+"""`pdserve bench`: a load generator for any OpenAI-compatible server (streaming `/v1/completions`).
+
+```
+ arrivals (Poisson rate R, or all at once) ──▶ semaphore (max concurrency C) ──▶ POST /v1/completions
+                                                                                   │ SSE chunks
+   per request: t_send, t_first_chunk, t_chunk[i], t_done, usage.completion_tokens ◀┘
+   → TTFT, TPOT = (E2E - TTFT) / (tokens - 1), ITL = chunk gaps, E2E, goodput under SLOs
+```
+
+The library entry is `run_benchmark(BenchConfig | dict) -> dict` (also `arun_benchmark` inside an event
+loop). Token counts come from the final usage chunk (`stream_options.include_usage`); one token per
+content chunk is only the fallback for servers that send no usage. The generator only talks to
+`base_url`, sends at most `num_prompts` requests and stops everything after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One benchmark run. Ranges are inclusive and override the fixed lengths when set."""
+
+    base_url: str
+    model: str
+    num_prompts: int = 100
+    request_rate: float = math.inf  # requests/s of a Poisson process; inf: all at t=0
+    max_concurrency: int | None = None
+    input_len: int = 128
+    input_len_range: tuple[int, int] | None = None
+    output_len: int = 128
+    output_len_range: tuple[int, int] | None = None
+    dataset: str | None = None  # JSONL with a "prompt" field (text or token ids); optional "max_tokens"
+    vocab_size: int = 32000  # random prompt token ids are drawn from [low_token_id, vocab_size)
+    low_token_id: int = 100  # skip the special tokens at the start of most vocabularies
+    seed: int = 0
+    timeout_s: float = 600.0  # the whole run; unfinished requests then count as failed
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    api_key: str | None = None
+    ignore_eos: bool = True
+    progress: bool = True
+    result_json: str | None = None
+    plot: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompts <= 0:
+            raise ValueError(f"num_prompts must be > 0, got {self.num_prompts}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency <= 0:
+            raise ValueError(f"max_concurrency must be > 0, got {self.max_concurrency}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("input_len_range", "output_len_range"):
+            r = getattr(self, name)
+            if r is not None and not (1 <= r[0] <= r[1]):
+                raise ValueError(f"{name} must be LO,HI with 1 <= LO <= HI, got {r}")
+        if min(self.input_len, self.output_len) < 1:
+            raise ValueError("input_len and output_len must be >= 1")
+        if not self.low_token_id < self.vocab_size:
+            raise ValueError(f"low_token_id ({self.low_token_id}) must be below vocab_size ({self.vocab_size})")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown benchmark settings {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        for name in ("input_len_range", "output_len_range"):
+            if d.get(name) is not None:
+                d[name] = tuple(d[name])
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt: str | list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client saw for one request; times are perf_counter seconds relative to the run start."""
+
+    index: int
+    max_tokens: int
+    start: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    num_output_tokens: int = 0
+    usage_reported: bool = False
+    ok: bool = False
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.ttft is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.num_output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+# ---------------------------------------------------------------------------------------------- workload
+
+
+def _length(rng: random.Random, fixed: int, lo_hi: tuple[int, int] | None) -> int:
+    return rng.randint(*lo_hi) if lo_hi else fixed
+
+
+def make_requests(cfg: BenchConfig) -> list[BenchRequest]:
+    """The workload: the same list for the same config and seed."""
+    rng = random.Random(cfg.seed)
+    if cfg.dataset:
+        rows = [json.loads(line) for line in Path(cfg.dataset).read_text().splitlines() if line.strip()]
+        if not rows or any("prompt" not in r for r in rows):
+            raise ValueError(f"{cfg.dataset}: every line must be a JSON object with a \"prompt\" field")
+        picks = [rows[rng.randrange(len(rows))] for _ in range(cfg.num_prompts)]
+        return [BenchRequest(r["prompt"], int(r.get("max_tokens") or _length(rng, cfg.output_len, cfg.output_len_range)))
+                for r in picks]
+    out = []
+    for _ in range(cfg.num_prompts):
+        n = _length(rng, cfg.input_len, cfg.input_len_range)
+        prompt = [rng.randrange(cfg.low_token_id, cfg.vocab_size) for _ in range(n)]
+        out.append(BenchRequest(prompt, _length(rng, cfg.output_len, cfg.output_len_range)))
+    return out
+
+
+def arrival_offsets(cfg: BenchConfig) -> list[float]:
+    """Send times (s after start): a Poisson process at `request_rate`, or all zero for inf."""
+    if math.isinf(cfg.request_rate):
+        return [0.0] * cfg.num_prompts
+    rng = random.Random(cfg.seed + 1)
+    t, out = 0.0, []
+    for _ in range(cfg.num_prompts):
+        out.append(t)
+        t += rng.expovariate(cfg.request_rate)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- client
+
+
+async def _send(client: Any, cfg: BenchConfig, req: BenchRequest, res: RequestResult, t0: float) -> None:
+    body = {"model": cfg.model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": cfg.ignore_eos}
+    res.start = time.perf_counter() - t0
+    num_chunks = 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:200]
+                res.error = f"HTTP {resp.status_code}: {text}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter() - t0
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    res.error = f"in-stream error: {chunk['error']}"
+                    return
+                if chunk.get("usage"):
+                    res.num_output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                    res.usage_reported = True
+                choices = chunk.get("choices") or []
+                if not choices:
+                    continue
+                if res.ttft is None:
+                    res.ttft = now - res.start
+                if choices[0].get("text"):
+                    res.chunk_times.append(now)
+                    num_chunks += 1
+        res.e2e = time.perf_counter() - t0 - res.start
+        if not res.usage_reported:
+            res.num_output_tokens = num_chunks  # NOTE: fallback only; a chunk may hold several tokens
+        res.ok = res.ttft is not None
+        if not res.ok:
+            res.error = "the stream ended without a completion chunk"
+    except asyncio.CancelledError:
+        res.error = res.error or "cancelled: the run's timeout_s passed"
+        raise
+    except Exception as e:  # noqa: BLE001 - any transport/parse failure is one failed request
+        res.error = f"{type(e).__name__}: {e}"
+
+
+async def arun_benchmark(cfg: BenchConfig | dict) -> dict:
+    """`run_benchmark` for callers already inside an event loop."""
+    import httpx
+
+    if isinstance(cfg, dict):
+        cfg = BenchConfig.from_dict(cfg)
+    requests = make_requests(cfg)
+    offsets = arrival_offsets(cfg)
+    results = [RequestResult(i, r.max_tokens) for i, r in enumerate(requests)]
+    limit = cfg.max_concurrency or cfg.num_prompts
+    sem = asyncio.Semaphore(limit)
+    bar = _progress(cfg)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    # NOTE: trust_env=False: never route through an environment proxy; talk to base_url only.
+    async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, trust_env=False, follow_redirects=False,
+                                 timeout=httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0)),
+                                 limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(max(0.0, offsets[i] - (time.perf_counter() - t0)))
+            async with sem:
+                await _send(client, cfg, requests[i], results[i], t0)
+            if bar is not None:
+                bar.update(1)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(cfg.num_prompts)]
+        _, pending = await asyncio.wait(tasks, timeout=cfg.timeout_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        duration = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    for r in results:
+        if not r.ok and r.error is None:
+            r.error = "not finished within timeout_s"
+    out = {"config": asdict(cfg), "metrics": compute_metrics(cfg, results, duration),
+           "requests": [_request_row(r) for r in results]}
+    out["timeline"] = throughput_timeline(results)
+    if cfg.result_json:
+        Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.result_json).write_text(json.dumps(out, indent=2) + "\n")
+    if cfg.plot:
+        plot_results(out, results, cfg.plot)
+    return out
+
+
+def run_benchmark(cfg: BenchConfig | dict) -> dict:
+    """Run one benchmark to completion; returns {"config", "metrics", "requests", "timeline"}."""
+    return asyncio.run(arun_benchmark(cfg))
+
+
+def _progress(cfg: BenchConfig):
+    if not cfg.progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(total=cfg.num_prompts, desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+
+def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
+    """mean and percentiles (linear interpolation), in ms by default."""
+    if not values:
+        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
+    xs = sorted(v * scale for v in values)
+
+    def pct(p: float) -> float:
+        k = (len(xs) - 1) * p / 100.0
+        lo, hi = math.floor(k), math.ceil(k)
+        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+    return {"mean": sum(xs) / len(xs), **{f"p{p}": pct(p) for p in PERCENTILES}}
+
+
+def _meets_slo(cfg: BenchConfig, r: RequestResult) -> bool:
+    if not r.ok:
+        return False
+    if cfg.slo_ttft_ms is not None and r.ttft * 1000.0 > cfg.slo_ttft_ms:
+        return False
+    tpot = r.tpot
+    return cfg.slo_tpot_ms is None or tpot is None or tpot * 1000.0 <= cfg.slo_tpot_ms
+
+
+def compute_metrics(cfg: BenchConfig, results: list[RequestResult], duration_s: float) -> dict[str, Any]:
+    """Latencies in ms; rates per second of the whole run (first send to last completion)."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.num_output_tokens for r in ok)
+    good = sum(_meets_slo(cfg, r) for r in results)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            key = (r.error or "unknown")[:80]
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "duration_s": duration_s,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
+        "usage_reported": sum(r.usage_reported for r in ok),
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": out_tokens / duration_s,
+        "goodput": good / duration_s,
+        "good_requests": good,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
+        "itl_ms": _stats([x for r in ok for x in r.itls]),
+        "e2e_ms": _stats([r.e2e for r in ok]),
+    }
+
+
+def throughput_timeline(results: list[RequestResult], bucket_s: float = 1.0) -> list[tuple[float, float]]:
+    """(bucket start s, output tokens/s) with each request's tokens spread over its content chunks."""
+    counts: dict[int, float] = {}
+    for r in results:
+        if not r.ok or not r.chunk_times:
+            continue
+        per_chunk = r.num_output_tokens / len(r.chunk_times)
+        for t in r.chunk_times:
+            counts[int(t // bucket_s)] = counts.get(int(t // bucket_s), 0.0) + per_chunk
+    if not counts:
+        return []
+    return [(b * bucket_s, counts.get(b, 0.0) / bucket_s) for b in range(max(counts) + 1)]
+
+
+def _request_row(r: RequestResult) -> dict[str, Any]:
+    return {"index": r.index, "ok": r.ok, "error": r.error, "max_tokens": r.max_tokens,
+            "output_tokens": r.num_output_tokens, "start_s": r.start, "ttft_s": r.ttft, "tpot_s": r.tpot,
+            "e2e_s": r.e2e}
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _f(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def print_report(result: dict, title: str = "pdserve bench") -> None:
+    """A rich table of the metrics of one `run_benchmark` result."""
+    from rich.console import Console
+    from rich.table import Table
+
+    m, c = result["metrics"], result["config"]
+    table = Table(title=f"{title}: {c['base_url']} model={c['model']}", title_justify="left")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    slo = ", ".join(f"{k}<={c[k]}" for k in ("slo_ttft_ms", "slo_tpot_ms") if c[k] is not None) or "none"
+    for name, value in [("requests ok / failed", f"{m['completed']} / {m['failed']}"),
+                        ("duration (s)", _f(m["duration_s"], 2)),
+                        ("request throughput (req/s)", _f(m["request_throughput"], 2)),
+                        ("output throughput (tok/s)", _f(m["output_throughput"], 1)),
+                        (f"goodput (req/s, SLO {slo})", _f(m["goodput"], 2)),
+                        ("output tokens (usage-reported reqs)", f"{m['total_output_tokens']} ({m['usage_reported']})")]:
+        table.add_row(name, value)
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        s = m[key]
+        table.add_row(f"{label} ms mean / p50 / p90 / p99",
+                      " / ".join(_f(s[k]) for k in ("mean", *(f"p{p}" for p in PERCENTILES))))
+    console = Console(width=120)
+    console.print(table)
+    for err, n in m["errors"].items():
+        console.print(f"  [red]{n} failed[/red]: {err}")
+
+
+def plot_results(result: dict, results: list[RequestResult], path: str) -> None:
+    """Latency CDFs (TTFT, TPOT, E2E) and output tokens/s over time, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r.ok]
+    series = {"TTFT": [r.ttft for r in ok], "TPOT": [r.tpot for r in ok if r.tpot is not None],
+              "E2E": [r.e2e for r in ok]}
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for ax, (name, vals) in zip(axes.flat, series.items()):
+        xs = sorted(v * 1000.0 for v in vals)
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
+        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    ax = axes.flat[3]
+    tl = result["timeline"]
+    ax.plot([t for t, _ in tl], [v for _, v in tl], marker=".")
+    ax.set(title="output throughput", xlabel="s since start", ylabel="tokens/s")
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"{result['config']['model']} @ {result['config']['base_url']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {text!r}") from None
+    return lo, hi
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    b = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server (streaming /v1/completions)")
+    b.add_argument("--base-url", default="http://127.0.0.1:8000")
+    b.add_argument("--model", required=True, help="the `model` field sent with each request")
+    b.add_argument("--num-prompts", type=int, default=100)
+    b.add_argument("--request-rate", type=float, default=math.inf, help="Poisson requests/s; inf: all at once")
+    b.add_argument("--max-concurrency", type=int, default=None)
+    b.add_argument("--input-len", type=int, default=128)
+    b.add_argument("--input-len-range", type=_range, default=None, metavar="LO,HI")
+    b.add_argument("--output-len", type=int, default=128)
+    b.add_argument("--output-len-range", type=_range, default=None, metavar="LO,HI")
+    b.add_argument("--dataset", default=None, help="JSONL file with a \"prompt\" field per line")
+    b.add_argument("--vocab-size", type=int, default=32000, help="random prompt token ids stay below this")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--timeout-s", type=float, default=600.0, help="bound on the whole run")
+    b.add_argument("--slo-ttft-ms", type=float, default=None)
+    b.add_argument("--slo-tpot-ms", type=float, default=None)
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    b.add_argument("--no-progress", dest="progress", action="store_false")
+    b.add_argument("--result-json", default=None, metavar="PATH")
+    b.add_argument("--plot", default=None, metavar="PATH.png")
+    b.set_defaults(func=_bench)
+    return b
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    names = {f.name for f in fields(BenchConfig)}
+    return BenchConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _bench(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return 2
+    result = run_benchmark(cfg)
+    print_report(result)
+    if cfg.result_json:
+        print(f"results: {cfg.result_json}")
+    if cfg.plot:
+        print(f"plot: {cfg.plot}")
+    return 0 if result["metrics"]["completed"] else 1

@@ -1,0 +1,174 @@
+"""`pdserve bench` against a fake OpenAI streaming server (FastAPI + uvicorn in a thread; no Ray, no model).
+
+The fake answers /v1/completions with one chunk per token, `TOKEN_SLEEP_S` apart, after a
+`FIRST_SLEEP_S` "prefill", and a usage chunk when asked; so TTFT and TPOT have known lower bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+
+from deployments.bench_cli import BenchConfig, arrival_offsets, make_requests, run_benchmark  # noqa: E402
+from deployments.cli import main as cli_main  # noqa: E402
+
+FIRST_SLEEP_S = 0.03
+TOKEN_SLEEP_S = 0.01
+MODEL = "fake-model"
+NO_USAGE_MODEL = "fake-model-no-usage"  # a server that ignores stream_options
+
+
+def _fake_app() -> FastAPI:
+    app = FastAPI()
+    app.state.bodies = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.bodies.append(body)
+        if body.get("model") not in (MODEL, NO_USAGE_MODEL):
+            return JSONResponse({"error": {"message": "no such model"}}, status_code=404)
+        n = int(body["max_tokens"])
+        usage = bool((body.get("stream_options") or {}).get("include_usage")) and body["model"] == MODEL
+        # NOTE: prompts starting with token 7 get two tokens per chunk: the usage count must win.
+        per_chunk = 2 if isinstance(body["prompt"], list) and body["prompt"][0] == 7 else 1
+
+        async def gen():
+            await asyncio.sleep(FIRST_SLEEP_S)
+            sent = 0
+            while sent < n:
+                if sent:
+                    await asyncio.sleep(TOKEN_SLEEP_S * per_chunk)
+                k = min(per_chunk, n - sent)
+                sent += k
+                finish = "length" if sent == n else None
+                yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x" * k, "finish_reason": finish}]}) + "\n\n"
+            if usage:
+                u = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": n}
+                yield "data: " + json.dumps({"choices": [], "usage": u}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    return app
+
+
+class _Server:
+    def __init__(self, app: FastAPI):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "fake server did not start"
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = _fake_app()
+    srv = _Server(app)
+    srv.app = app
+    yield srv
+    srv.stop()
+
+
+def test_workload_is_reproducible_and_in_range():
+    cfg = BenchConfig(base_url="http://x", model=MODEL, num_prompts=50, input_len_range=(4, 9),
+                      output_len_range=(2, 5), request_rate=10.0, vocab_size=1000, seed=3)
+    a, b = make_requests(cfg), make_requests(cfg)
+    assert a == b
+    assert all(4 <= len(r.prompt) <= 9 and 2 <= r.max_tokens <= 5 for r in a)
+    assert all(100 <= t < 1000 for r in a for t in r.prompt)
+    offs = arrival_offsets(cfg)
+    assert offs[0] == 0 and offs == sorted(offs)
+    assert 2.0 < offs[-1] < 10.0  # 49 gaps of mean 0.1 s
+    assert arrival_offsets(BenchConfig(base_url="http://x", model=MODEL, num_prompts=5)) == [0.0] * 5
+    with pytest.raises(ValueError, match="input_len_range"):
+        BenchConfig(base_url="http://x", model=MODEL, input_len_range=(5, 2))
+
+
+def test_metrics_are_sane(server, tmp_path):
+    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    cfg = BenchConfig(base_url=server.url, model=MODEL, num_prompts=12, request_rate=50.0, max_concurrency=6,
+                      input_len_range=(8, 16), output_len_range=(5, 15), vocab_size=500, seed=1,
+                      timeout_s=30, slo_ttft_ms=10_000, slo_tpot_ms=TOKEN_SLEEP_S * 1000 * 0.5,
+                      progress=False, result_json=str(out_json), plot=str(out_png))
+    res = run_benchmark(cfg)
+    m = res["metrics"]
+    assert m["completed"] == 12 and m["failed"] == 0 and m["usage_reported"] == 12
+    assert m["total_output_tokens"] == sum(r.max_tokens for r in make_requests(cfg))
+    # what was sent: token-id prompts, ignore_eos, usage requested
+    body = server.app.state.bodies[-1]
+    assert body["ignore_eos"] is True and body["stream"] is True and body["stream_options"]["include_usage"]
+    assert isinstance(body["prompt"], list) and all(isinstance(t, int) for t in body["prompt"])
+    for r in res["requests"]:
+        assert r["ttft_s"] >= FIRST_SLEEP_S * 0.9 and r["ttft_s"] < r["e2e_s"]
+        assert r["output_tokens"] == r["max_tokens"]
+    tpot = m["tpot_ms"]["p50"]
+    assert TOKEN_SLEEP_S * 1000 * 0.9 <= tpot <= TOKEN_SLEEP_S * 1000 * 3, tpot
+    assert m["itl_ms"]["p50"] == pytest.approx(tpot, rel=0.5)
+    assert m["ttft_ms"]["p50"] <= m["ttft_ms"]["p90"] <= m["ttft_ms"]["p99"]
+    assert m["ttft_ms"]["p99"] < m["e2e_ms"]["p99"]
+    assert m["output_throughput"] > 0 and m["request_throughput"] > 0
+    # the TPOT SLO is below the token sleep: nobody meets it
+    assert m["good_requests"] == 0 and m["goodput"] == 0.0 <= m["request_throughput"]
+    saved = json.loads(out_json.read_text())
+    assert saved["config"]["num_prompts"] == 12 and saved["metrics"]["completed"] == 12
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_goodput_usage_and_chunk_fallback(server):
+    base = dict(base_url=server.url, model=MODEL, num_prompts=4, input_len=4, output_len=6, vocab_size=8,
+                low_token_id=7, progress=False, timeout_s=30)  # every prompt is [7, 7, 7, 7]: 2 tokens a chunk
+    m = run_benchmark(BenchConfig(**base, slo_ttft_ms=10_000, slo_tpot_ms=10_000))["metrics"]
+    assert m["total_output_tokens"] == 24  # from usage, not the 12 chunks
+    assert m["good_requests"] == 4 and m["goodput"] == pytest.approx(m["request_throughput"])
+    # without usage the count falls back to one token per content chunk
+    m2 = run_benchmark(BenchConfig(**{**base, "model": NO_USAGE_MODEL}))["metrics"]
+    assert m2["completed"] == 4 and m2["usage_reported"] == 0
+    assert m2["total_output_tokens"] == 12
+
+
+def test_failures_and_timeout_are_counted(server):
+    m = run_benchmark(BenchConfig(base_url=server.url, model="nope", num_prompts=3, input_len=4, output_len=3,
+                                  vocab_size=500, progress=False, timeout_s=10))["metrics"]
+    assert m["failed"] == 3 and m["completed"] == 0 and "HTTP 404" in next(iter(m["errors"]))
+    t0 = time.monotonic()
+    m = run_benchmark(BenchConfig(base_url=server.url, model=MODEL, num_prompts=3, input_len=4, output_len=500,
+                                  vocab_size=500, progress=False, timeout_s=0.5))["metrics"]
+    assert time.monotonic() - t0 < 5
+    assert m["failed"] == 3 and m["completed"] == 0
+
+
+def test_cli_entry(server, tmp_path, capsys):
+    path = tmp_path / "cli.json"
+    rc = cli_main(["bench", "--base-url", server.url, "--model", MODEL, "--num-prompts", "3", "--input-len", "5",
+                   "--output-len-range", "2,4", "--vocab-size", "500", "--request-rate", "100", "--no-progress",
+                   "--result-json", str(path)])
+    assert rc == 0
+    assert json.loads(path.read_text())["metrics"]["completed"] == 3
+    assert "output throughput" in capsys.readouterr().out
+    assert cli_main(["bench", "--model", MODEL, "--num-prompts", "0"]) == 2
