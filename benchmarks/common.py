@@ -1,0 +1,162 @@
+"""Shared helpers for the benchmarks: the fp32 matmul roofline, workloads, rich tables, JSON.
+
+The roofline is measured in the same process and with the same thread count as the run it judges, so
+a number like "62% of roofline" compares like with like on whatever machine it ran on.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+# ---------------------------------------------------------------------------------------------- roofline
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulResult:
+    m: int
+    k: int
+    n: int
+    gflops: float  # best of the timed repeats
+
+
+def time_matmul(m: int, k: int, n: int, *, min_time_s: float = 0.25, repeats: int = 5,
+                dtype: torch.dtype = torch.float32) -> MatmulResult:
+    """Best GFLOP/s of `torch.mm([m, k], [k, n])` over `repeats` timed loops of >= `min_time_s` each."""
+    a = torch.randn(m, k, dtype=dtype)
+    b = torch.randn(k, n, dtype=dtype)
+    flops = 2.0 * m * k * n
+    for _ in range(3):  # warm caches and the BLAS dispatcher
+        torch.mm(a, b)
+    # Calibrate the loop length so one timed loop lasts about min_time_s.
+    t0 = time.perf_counter()
+    torch.mm(a, b)
+    one = max(time.perf_counter() - t0, 1e-6)
+    iters = max(1, int(min_time_s / one))
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, b)
+        best = max(best, flops * iters / (time.perf_counter() - t0) / 1e9)
+    return MatmulResult(m, k, n, best)
+
+
+def measure_roofline(shapes: Sequence[tuple[int, int, int]], **kwargs) -> tuple[float, list[MatmulResult]]:
+    """fp32 GFLOP/s of the machine: the best over `shapes` (model-like shapes plus a large square one)."""
+    results = [time_matmul(m, k, n, **kwargs) for m, k, n in shapes]
+    return max(r.gflops for r in results), results
+
+
+def params_per_token(model: torch.nn.Module) -> int:
+    """Weights each generated token multiplies through: every parameter except the input embedding,
+    plus the lm_head. A tied embedding is therefore counted once (as the lm_head matmul); an untied
+    one counts only its lm_head. Norm weights are included (they are tiny)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p is embed and p is not head:
+            continue
+        total += p.numel()
+    return total
+
+
+def roofline_tokens_per_s(gflops: float, num_params: int) -> float:
+    """Tokens/s if every token cost exactly 2 * params FLOPs at the measured matmul rate."""
+    return gflops * 1e9 / (2.0 * num_params)
+
+
+# ---------------------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                  vocab_size: int, seed: int = 0, low_token_id: int = 100) -> list[BenchRequest]:
+    """Random-token prompts and output lengths, both uniform over the inclusive ranges.
+
+    Token ids start at `low_token_id` so that no prompt holds special tokens (bos/eos/pad)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_requests):
+        n = rng.randint(*prompt_range)
+        prompt = [rng.randrange(low_token_id, vocab_size) for _ in range(n)]
+        out.append(BenchRequest(prompt, rng.randint(*output_range)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version()}
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                notes: Sequence[str] = (), console=None) -> None:
+    """A rich table; numeric columns right-aligned. Falls back to plain text without rich."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # pragma: no cover - rich is a project dependency
+        print(f"\n{title}")
+        print(" | ".join(columns))
+        for r in rows:
+            print(" | ".join(str(c) for c in r))
+        for n in notes:
+            print(f"  * {n}")
+        return
+    console = console or Console(width=160)
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right", overflow="fold")
+    for r in rows:
+        table.add_row(*("" if c is None else str(c) for c in r))
+    console.print(table)
+    for n in notes:
+        console.print(f"  [dim]*[/dim] {n}")
+
+
+def fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _jsonable(obj: Any) -> Any:
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return _jsonable(asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(obj), indent=2) + "\n")
