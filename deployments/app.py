@@ -64,6 +64,31 @@ class OpenAIIngress:
         return self._asgi
 
 
+def _router_serving_state(config: dict):
+    """gRPC ingress factory: the same router backend as HTTP, with this replica's own StreamHub."""
+    from transformers import AutoTokenizer
+
+    from deployments.grpc_ingress import ServingState
+
+    cfg = ServeConfig.from_dict(config)
+    router = get_or_create_router(cfg)
+    info = ray.get(router.wait_ready.remote(900.0), timeout=960.0)
+    hub = StreamHub.options(name=None).remote()
+    backend = RouterBackend(router, hub, f"hub-{uuid.uuid4().hex[:8]}", cfg.request_timeout_s)
+    return ServingState(backend, AutoTokenizer.from_pretrained(info["model_dir"]), cfg.served_model_name,
+                        info["max_model_len"])
+
+
+def build_grpc_app(args: dict | None = None) -> serve.Application:
+    """The gRPC twin of `build_app` (serve it with `route_prefix="/pdserve-grpc"` and gRPC options)."""
+    import functools
+
+    from deployments.grpc_ingress import GRPCIngress
+
+    cfg = ServeConfig.from_dict(args or {})
+    return GRPCIngress.bind(functools.partial(_router_serving_state, cfg.to_dict()))
+
+
 def build_app(args: dict | None = None) -> serve.Application:
     """Build the pdserve application from a settings dict (see README "Server settings")."""
     cfg = ServeConfig.from_dict(args or {})

@@ -31,6 +31,7 @@ def add_serve_parser(sub) -> None:
                    help="require `Authorization: Bearer KEY` (default: $PDSERVE_API_KEY)")
     s.add_argument("--host", default="127.0.0.1", help="HTTP bind address (0.0.0.0 to expose it)")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=9000, help="gRPC port (0: no gRPC service)")
     s.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
     s.set_defaults(func=_serve)
 
@@ -39,7 +40,8 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from deployments.app import build_app, shutdown_router
+    from deployments.app import build_app, build_grpc_app, shutdown_router
+    from deployments.grpc_ingress import grpc_options
     from deployments.config import ServeConfig
 
     cfg = ServeConfig(
@@ -58,16 +60,22 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
         ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False)
-    serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port})
+    serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port},
+                grpc_options=grpc_options(args.grpc_port) if args.grpc_port else None)
     t0 = time.perf_counter()
     print(f"pdserve: starting {cfg.num_prefill_workers} prefill + {cfg.num_decode_workers} decode workers "
           f"for {cfg.served_model_name} ...", flush=True)
     serve.run(build_app(cfg.to_dict()), name="pdserve", route_prefix="/")
+    if args.grpc_port:
+        serve.run(build_grpc_app(cfg.to_dict()), name="pdserve-grpc", route_prefix="/pdserve-grpc")
     url = f"http://{cfg.http_host}:{cfg.http_port}"
     print(f"pdserve: ready in {time.perf_counter() - t0:.0f}s at {url}/v1  (model: {cfg.served_model_name})", flush=True)
     print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
           flush=True)
+    if args.grpc_port:
+        print(f"  gRPC: pdserve.Generation/Generate on {cfg.http_host}:{args.grpc_port} "
+              "(metadata application=pdserve-grpc)", flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:

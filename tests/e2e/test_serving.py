@@ -14,7 +14,8 @@ import ray
 from openai import OpenAI
 from ray import serve
 
-from deployments.app import NAMESPACE, ROUTER_NAME, build_app, shutdown_router
+from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app, shutdown_router
+from deployments.grpc_ingress import grpc_options
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,12 +37,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"num_prefill_workers": 2, "num_decode_workers": 2, "kv_cache_memory_mb": 96,
-                         "max_num_seqs": 16}), name="pdserve", route_prefix="/")
+    port, gport = _free_port(), _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(gport))
+    args = {"num_prefill_workers": 2, "num_decode_workers": 2, "kv_cache_memory_mb": 96, "max_num_seqs": 16}
+    serve.run(build_app(args), name="pdserve", route_prefix="/")
+    serve.run(build_grpc_app(args), name="pdserve-grpc", route_prefix="/pdserve-grpc")
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    yield f"http://127.0.0.1:{port}", router
+    yield f"http://127.0.0.1:{port}", router, gport
     serve.shutdown()
     shutdown_router()
     ray.shutdown()
@@ -85,7 +87,7 @@ def assert_no_leaks(router, timeout_s: float = 20.0) -> None:
 
 
 def test_openai_client_chat_and_completions_match_offline(server, offline):
-    url, router = server
+    url, router, _ = server
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     q = QUESTIONS[0]
     want = offline_chat(offline, q, 24)
@@ -116,7 +118,7 @@ def test_openai_client_chat_and_completions_match_offline(server, offline):
 
 
 def test_16_concurrent_streams_join_running_batches(server, offline):
-    url, router = server
+    url, router, _ = server
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
     wants = [offline_chat(offline, q, 32) for q in QUESTIONS]
 
@@ -146,7 +148,7 @@ def test_16_concurrent_streams_join_running_batches(server, offline):
     ({"model": "no-such-model", "prompt": "hi"}, 404, "model"),
 ])
 def test_bad_input_gets_openai_errors(server, body, status, param):
-    url, router = server
+    url, router, _ = server
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -159,7 +161,7 @@ def test_bad_input_gets_openai_errors(server, body, status, param):
 
 
 def test_disconnect_mid_stream_frees_blocks_everywhere(server):
-    url, router = server
+    url, router, _ = server
     body = {"model": MODEL, "prompt": "Tell me a very long story", "max_tokens": 2000, "stream": True,
             "ignore_eos": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
@@ -173,3 +175,21 @@ def test_disconnect_mid_stream_frees_blocks_everywhere(server):
     assert_no_leaks(router, timeout_s=30)
     stats = ray.get(router.stats.remote())
     assert stats["counters"]["aborted"] >= 1
+
+
+def test_grpc_generate_streams_same_tokens(server, offline):
+    import grpc
+
+    from deployments.grpc import pdserve_pb2, pdserve_pb2_grpc
+
+    _, router, gport = server
+    q = QUESTIONS[2]
+    want = offline_chat(offline, q, 24)
+    with grpc.insecure_channel(f"127.0.0.1:{gport}") as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        req = pdserve_pb2.GenerateRequest(messages=[pdserve_pb2.ChatMessage(role="user", content=q)],
+                                          max_tokens=24, temperature=0)
+        chunks = list(stub.Generate(req, metadata=(("application", "pdserve-grpc"),), timeout=120))
+    assert "".join(c.text for c in chunks) == want
+    assert len(chunks) > 1 and chunks[-1].finish_reason
+    assert_no_leaks(router)
