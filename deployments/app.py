@@ -15,7 +15,7 @@ from ray import serve
 
 from deployments.config import ServeConfig
 from deployments.ingress import build_openai_app
-from deployments.router import Router
+from deployments.router import RouterActor
 from deployments.router_backend import RouterBackend
 from deployments.stream_hub import StreamHub
 
@@ -27,7 +27,7 @@ NAMESPACE = "pdserve"
 
 def get_or_create_router(config: ServeConfig) -> Any:
     """The one router of this cluster (a detached named actor; it owns the worker pools)."""
-    return Router.options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(config)
+    return RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(config)
 
 
 def shutdown_router(timeout_s: float = 30.0) -> None:
@@ -86,7 +86,9 @@ def build_grpc_app(args: dict | None = None) -> serve.Application:
     from deployments.grpc_ingress import GRPCIngress
 
     cfg = ServeConfig.from_dict(args or {})
-    return GRPCIngress.bind(functools.partial(_router_serving_state, cfg.to_dict()))
+    # NOTE: 0 CPUs like the HTTP ingress: the workers hold the CPUs, the ingress only relays.
+    return GRPCIngress.options(ray_actor_options={"num_cpus": 0}).bind(
+        functools.partial(_router_serving_state, cfg.to_dict()))
 
 
 def build_app(args: dict | None = None) -> serve.Application:

@@ -35,6 +35,19 @@ class ServeConfig:
     kv_transfer_timeout_s: float = 30.0
     # A request that has produced nothing for this long ends with an error instead of hanging.
     request_timeout_s: float = 300.0
+    # Autoscaling by queue depth (off unless a max exceeds its pool's start size).
+    prefill_min_workers: int | None = None  # default: num_prefill_workers
+    prefill_max_workers: int | None = None
+    decode_min_workers: int | None = None
+    decode_max_workers: int | None = None
+    prefill_target_queued_tokens: int = 2048  # queued prompt tokens per prefill worker
+    decode_target_waiting: int = 4  # sequences waiting for a decode slot, per decode worker
+    decode_target_kv_use: float = 0.85  # KV-block use per decode worker
+    upscale_delay_s: float = 2.0  # a scale-up signal must hold this long
+    downscale_delay_s: float = 15.0  # a scale-down signal must hold this long
+    autoscale_interval_s: float = 0.5
+    # A worker that does not answer a ping within this long is treated as dead.
+    health_check_timeout_s: float = 10.0
     api_key: str | None = None
     http_host: str = "127.0.0.1"
     http_port: int = 8000
@@ -49,7 +62,21 @@ class ServeConfig:
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be > 0")
+        for pool in ("prefill", "decode"):
+            n = getattr(self, f"num_{pool}_workers")
+            lo, hi = self.pool_bounds(pool)
+            if not (1 <= lo <= n <= hi):
+                raise EngineConfigError(f"need 1 <= {pool}_min_workers ({lo}) <= num_{pool}_workers ({n}) "
+                                        f"<= {pool}_max_workers ({hi})")
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0 or self.autoscale_interval_s <= 0:
+            raise EngineConfigError("upscale_delay_s / downscale_delay_s must be >= 0, autoscale_interval_s > 0")
         self.engine_config()  # checks the engine fields too
+
+    def pool_bounds(self, pool: str) -> tuple[int, int]:
+        n = getattr(self, f"num_{pool}_workers")
+        lo = getattr(self, f"{pool}_min_workers")
+        hi = getattr(self, f"{pool}_max_workers")
+        return (n if lo is None else lo), (n if hi is None else hi)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,

@@ -1,20 +1,24 @@
 """The router: one Ray actor that owns the worker pools and decides where each request goes.
 
-    submit ─▶ queue ─▶ prefill worker (least queued prompt tokens)
-                         │ on_prefilled(handle)
-                         ▼
-              pending-decode queue ─▶ decode worker with room (after every step report)
+    submit ─▶ prefill worker (least queued prompt tokens)
+                 │ on_prefilled(KVHandle)
+                 ▼
+    pending-decode queue ─▶ decode worker with room (after every step report)
 
 It is off the per-token path: tokens go from workers to the ingress's StreamHub. It sees one
 `DecodeReport` per decode worker per step and fills freed capacity at once, which is continuous
-batching across the whole decode pool.
+batching across the whole decode pool. It also scales each pool by its queue depth, drains workers
+before removing them, and moves the requests of a dead worker elsewhere. Workers are detached named
+actors, so a restarted router adopts them and rebuilds its state from their snapshots.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -23,17 +27,20 @@ import ray
 from deployments.config import ServeConfig
 from deployments.messages import DecodeReport, GenRequest, StreamEvent
 from deployments.workers import DecodeWorker, PrefillWorker
+from engine import SamplingParams
 from kv_transfer import KVHandle
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 4
+MAX_ATTEMPTS = 6
+WORKER_PREFIX = "pdserve-"
 
 
 @dataclass(slots=True)
 class _Tracked:
     req: GenRequest
-    stage: str  # "prefill" | "pending_decode" | "admitting" | "decode"
+    params: SamplingParams  # as the client asked; a migrated request's req.params are shortened
+    stage: str  # "unplaced" | "prefill" | "pending_decode" | "admitting" | "decode"
     worker_id: str | None = None
     handle: KVHandle | None = None
     prefill_worker_id: str | None = None
@@ -45,6 +52,10 @@ class _Worker:
     role: str
     actor: Any
     info: dict = field(default_factory=dict)
+    ready: bool = False
+    draining: bool = False
+    created_at: float = field(default_factory=time.time)
+    ready_at: float | None = None
     queued_prompt_tokens: int = 0  # prefill
     report: DecodeReport | None = None  # decode
     reserved_blocks: int = 0  # decode: blocks promised to admissions not yet in a report
@@ -53,53 +64,124 @@ class _Worker:
     num_steps: int = 0
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
+@dataclass(slots=True)
+class _ScaleState:
+    desired: int = 0
+    reason: str = ""
+    signal_since: float | None = None
+    signal_dir: int = 0
+
+
 class Router:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.me = ray.get_runtime_context().current_actor
-        self.prefill: dict[str, _Worker] = {}
-        self.decode: dict[str, _Worker] = {}
+        self.namespace = ray.get_runtime_context().namespace
+        self.pools: dict[str, dict[str, _Worker]] = {"prefill": {}, "decode": {}}
         self.tracked: dict[str, _Tracked] = {}
         self.pending_decode: list[str] = []
+        self.unplaced: list[str] = []
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "aborted": 0, "retries": 0,
-                         "transfer_failures": 0, "admitted": 0}
+                         "migrations": 0, "transfer_failures": 0, "admitted": 0, "worker_deaths": 0,
+                         "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0}
+        self.scale = {"prefill": _ScaleState(), "decode": _ScaleState()}
+        self.decisions: deque[dict] = deque(maxlen=100)
+        self._next_id = {"prefill": 0, "decode": 0}
         self._ready = asyncio.Event()
         self._startup_error: str | None = None
-        for i in range(config.num_prefill_workers):
-            self._spawn("prefill", f"prefill-{i}")
-        for i in range(config.num_decode_workers):
-            self._spawn("decode", f"decode-{i}")
-        self._startup = asyncio.get_event_loop().create_task(self._await_workers())
+        self._tasks = [asyncio.get_event_loop().create_task(self._start())]
 
-    # ------------------------------------------------------------------ pools
-    def _spawn(self, role: str, worker_id: str) -> _Worker:
-        c = self.config
-        cls = PrefillWorker if role == "prefill" else DecodeWorker
-        resources = c.prefill_resources if role == "prefill" else c.decode_resources
-        actor = cls.options(num_cpus=c.worker_num_cpus, num_gpus=c.worker_num_gpus, resources=dict(resources) or None,
-                            name=None).remote(worker_id, c, self.me)
-        w = _Worker(worker_id, role, actor)
-        (self.prefill if role == "prefill" else self.decode)[worker_id] = w
-        return w
+    @property
+    def prefill(self) -> dict[str, _Worker]:
+        return self.pools["prefill"]
 
-    async def _await_workers(self) -> None:
+    @property
+    def decode(self) -> dict[str, _Worker]:
+        return self.pools["decode"]
+
+    # ------------------------------------------------------------------ startup / adoption
+    async def _start(self) -> None:
         try:
-            workers = list(self.prefill.values()) + list(self.decode.values())
-            infos = await asyncio.wait_for(asyncio.gather(*[w.actor.info.remote() for w in workers]), 900)
-            for w, info in zip(workers, infos):
-                w.info = info
+            adopted = await self._adopt_existing()
+            for pool in ("prefill", "decode"):
+                for _ in range(getattr(self.config, f"num_{pool}_workers") - len(self.pools[pool])):
+                    self._spawn(pool)
+            await asyncio.wait_for(asyncio.gather(*[self._until_ready(w) for p in self.pools.values()
+                                                    for w in list(p.values())]), 900)
+            if adopted:
+                await self._rebuild()
         except Exception as exc:  # noqa: BLE001
             self._startup_error = repr(exc)
-            logger.exception("workers failed to start")
+            logger.exception("router startup failed")
         self._ready.set()
+        loop = asyncio.get_event_loop()
+        self._tasks += [loop.create_task(self._monitor()), loop.create_task(self._autoscale())]
+
+    async def _adopt_existing(self) -> bool:
+        """A restarted router finds the workers its predecessor left (they are detached)."""
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == self.namespace and a["name"].startswith(WORKER_PREFIX)]
+        for name in names:
+            role, idx = name.removeprefix(WORKER_PREFIX).rsplit("-", 1)
+            if role not in self.pools:
+                continue
+            try:
+                actor = ray.get_actor(name, namespace=self.namespace)
+            except ValueError:
+                continue
+            self.pools[role][name] = _Worker(name, role, actor)
+            self._next_id[role] = max(self._next_id[role], int(idx) + 1)
+        return bool(names)
+
+    async def _rebuild(self) -> None:
+        snaps = {}
+        for pool in self.pools.values():
+            for w in pool.values():
+                try:
+                    snaps[w.worker_id] = await asyncio.wait_for(w.actor.snapshot.remote(), 30)
+                except Exception:  # noqa: BLE001 - it died meanwhile; the monitor will notice
+                    continue
+        for wid, snap in snaps.items():
+            for req in snap.get("decoding", []):
+                self.tracked[req.request_id] = _Tracked(req, req.params, "decode", worker_id=wid)
+        for wid, snap in snaps.items():
+            for req in snap.get("prefilling", []):
+                if req.request_id not in self.tracked:
+                    self.tracked[req.request_id] = _Tracked(req, req.params, "prefill", worker_id=wid,
+                                                            prefill_worker_id=wid)
+                    self.prefill[wid].queued_prompt_tokens += len(req.prompt_token_ids)
+            for req, handle in snap.get("leased", []):
+                if req.request_id not in self.tracked:
+                    self.tracked[req.request_id] = _Tracked(req, req.params, "pending_decode", handle=handle,
+                                                            prefill_worker_id=wid)
+                    self.pending_decode.append(req.request_id)
+        self.counters["adopted_requests"] += len(self.tracked)
+        self._admit()
+
+    def _spawn(self, role: str) -> _Worker:
+        c = self.config
+        wid = f"{WORKER_PREFIX}{role}-{self._next_id[role]}"
+        self._next_id[role] += 1
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        resources = c.prefill_resources if role == "prefill" else c.decode_resources
+        actor = cls.options(name=wid, namespace=self.namespace, lifetime="detached", num_cpus=c.worker_num_cpus,
+                            num_gpus=c.worker_num_gpus, resources=dict(resources) or None).remote(wid, c, self.me)
+        w = _Worker(wid, role, actor)
+        self.pools[role][wid] = w
+        return w
+
+    async def _until_ready(self, w: _Worker) -> None:
+        w.info = await w.actor.info.remote()
+        w.ready, w.ready_at = True, time.time()
+        self._flush_unplaced()
+        self._admit()
 
     async def wait_ready(self, timeout_s: float = 900.0) -> dict:
-        """Blocks until every worker loaded its model; returns what the ingress needs to know."""
+        """Blocks until the first workers loaded their model; returns what the ingress needs to know."""
         await asyncio.wait_for(self._ready.wait(), timeout_s)
         if self._startup_error:
             raise RuntimeError(f"pdserve workers failed to start: {self._startup_error}")
-        info = next(iter(self.prefill.values())).info
+        info = next(w.info for p in self.pools.values() for w in p.values() if w.ready)
         return {k: info[k] for k in ("model_dir", "max_model_len", "vocab_size")}
 
     # ------------------------------------------------------------------ requests
@@ -114,16 +196,28 @@ class Router:
                     "reason": f"{self._num_queued()} requests queued (max_queued_requests)"}
         self.counters["submitted"] += 1
         req.arrival_time = req.arrival_time or time.time()
-        self.tracked[req.request_id] = _Tracked(req, "prefill")
-        self._place_prefill(req)
+        self.tracked[req.request_id] = _Tracked(req, req.params, "unplaced")
+        self._place_prefill(req.request_id)
         return {"ok": True}
 
-    def _place_prefill(self, req: GenRequest) -> None:
-        w = min(self.prefill.values(), key=lambda w: w.queued_prompt_tokens)
-        w.queued_prompt_tokens += len(req.prompt_token_ids)
-        t = self.tracked[req.request_id]
+    def _place_prefill(self, rid: str) -> None:
+        t = self.tracked[rid]
+        candidates = [w for w in self.prefill.values() if w.ready and not w.draining]
+        if not candidates:
+            t.stage = "unplaced"
+            if rid not in self.unplaced:
+                self.unplaced.append(rid)
+            return
+        w = min(candidates, key=lambda w: w.queued_prompt_tokens)
+        w.queued_prompt_tokens += len(t.req.prompt_token_ids)
         t.stage, t.worker_id, t.prefill_worker_id, t.handle = "prefill", w.worker_id, w.worker_id, None
-        w.actor.add.remote(req)
+        w.actor.add.remote(t.req)
+
+    def _flush_unplaced(self) -> None:
+        rids, self.unplaced = self.unplaced, []
+        for rid in rids:
+            if rid in self.tracked:
+                self._place_prefill(rid)
 
     def _prefill_done(self, t: _Tracked) -> None:
         w = self.prefill.get(t.prefill_worker_id or "")
@@ -132,8 +226,8 @@ class Router:
 
     async def on_prefilled(self, worker_id: str, request_id: str, handle: KVHandle) -> None:
         t = self.tracked.get(request_id)
-        if t is None:  # aborted meanwhile: let the prefill worker free the blocks now
-            w = self.prefill.get(worker_id)
+        if t is None or t.stage != "prefill" or t.prefill_worker_id != worker_id:
+            w = self.prefill.get(worker_id)  # aborted or moved meanwhile: free the blocks now
             if w is not None:
                 w.actor.kv_release.remote(request_id, handle.epoch)
             return
@@ -143,8 +237,9 @@ class Router:
         self._admit()
 
     async def on_finished(self, worker_id: str, request_id: str) -> None:
-        t = self.tracked.pop(request_id, None)
-        if t is not None:
+        t = self.tracked.get(request_id)
+        if t is not None and t.worker_id == worker_id:
+            del self.tracked[request_id]
             if t.stage == "prefill":
                 self._prefill_done(t)
             self.counters["finished"] += 1
@@ -157,7 +252,9 @@ class Router:
         w.num_steps += 1
         w.max_batch_seen = max(w.max_batch_seen, report.batch_size)
         for rid in report.finished_ids:
-            if self.tracked.pop(rid, None) is not None:
+            t = self.tracked.get(rid)
+            if t is not None and t.worker_id == report.worker_id:
+                del self.tracked[rid]
                 self.counters["finished"] += 1
         self._admit()
 
@@ -173,30 +270,30 @@ class Router:
         """Fill free decode capacity from the pending queue (priority, then arrival)."""
         if not self.pending_decode:
             return
-        self.pending_decode.sort(key=lambda r: (self.tracked[r].req.priority, self.tracked[r].req.arrival_time)
-                                 if r in self.tracked else (0, 0))
+        self.pending_decode = [r for r in self.pending_decode
+                               if r in self.tracked and self.tracked[r].stage == "pending_decode"]
+        self.pending_decode.sort(key=lambda r: (self.tracked[r].req.priority, self.tracked[r].req.arrival_time))
         still: list[str] = []
         for rid in self.pending_decode:
-            t = self.tracked.get(rid)
-            if t is None or t.stage != "pending_decode":
-                continue
-            bs = self.config.block_size
+            t = self.tracked[rid]
             # Room for the prompt plus a block of growth, so a new sequence does not preempt at once.
-            need = -(-t.handle.num_tokens // bs) + 1
+            need = -(-t.handle.num_tokens // self.config.block_size) + 1
             best, best_free = None, -1
             for w in self.decode.values():
+                if not w.ready or w.draining:
+                    continue
                 free_blocks, free_seqs = self._free_capacity(w)
                 if free_seqs > 0 and free_blocks >= need and free_blocks > best_free:
                     best, best_free = w, free_blocks
-            if best is None:
+            prefill = self.prefill.get(t.prefill_worker_id or "")
+            if best is None or prefill is None:
                 still.append(rid)
                 continue
             best.reserved_blocks += need
             best.reserved_seqs += 1
             t.stage, t.worker_id = "admitting", best.worker_id
             self.counters["admitted"] += 1
-            prefill = self.prefill.get(t.prefill_worker_id)
-            ref = best.actor.admit.remote(t.req, t.handle, prefill.actor if prefill else None)
+            ref = best.actor.admit.remote(t.req, t.handle, prefill.actor)
             asyncio.get_event_loop().create_task(self._admitted(rid, best, need, ref))
         self.pending_decode = still
 
@@ -208,31 +305,56 @@ class Router:
             ok = False
         w.reserved_blocks -= need
         w.reserved_seqs -= 1
-        if w.report is not None:  # until its next report, count the blocks as taken
-            w.report = replace(w.report, num_free_blocks=w.report.num_free_blocks - (need - 1 if ok else 0),
-                               num_running=w.report.num_running + (1 if ok else 0))
+        if w.report is not None and ok:  # until its next report, count the blocks as taken
+            w.report = replace(w.report, num_free_blocks=w.report.num_free_blocks - (need - 1),
+                               num_running=w.report.num_running + 1)
         t = self.tracked.get(rid)
-        if t is None:
-            return
-        if ok:
-            if t.stage == "admitting":
+        if t is not None and t.stage == "admitting" and t.worker_id == w.worker_id:
+            if ok:
                 t.stage = "decode"
-        else:
-            self.counters["transfer_failures"] += 1
-            await self._retry(t, "KV transfer failed")
+            else:
+                self.counters["transfer_failures"] += 1
+                await self._requeue(t, "KV transfer failed", "retries")
         self._admit()
 
-    async def _retry(self, t: _Tracked, why: str) -> None:
-        """Re-prefill a request (from its prompt plus every token the client already has)."""
+    async def _requeue(self, t: _Tracked, why: str, counter: str) -> None:
+        """Prefill again from the prompt plus every token the client already has, then decode on."""
         req = t.req
+        rid = req.request_id
         if req.attempt + 1 >= MAX_ATTEMPTS:
-            self.tracked.pop(req.request_id, None)
-            req.hub.push.remote([StreamEvent(req.request_id, req.offset, [], True, "error",
-                                             f"gave up after {MAX_ATTEMPTS} attempts: {why}")])
+            self._fail(t, f"gave up after {MAX_ATTEMPTS} attempts: {why}")
             return
-        self.counters["retries"] += 1
-        req.attempt += 1
-        self._place_prefill(req)
+        try:
+            delivered = await asyncio.wait_for(req.hub.delivered.remote(rid), 10)
+        except Exception:  # noqa: BLE001 - the ingress replica is gone: so is the client
+            delivered = None
+        if delivered is None or self.tracked.get(rid) is not t:
+            self.tracked.pop(rid, None)
+            return
+        self.counters[counter] += 1
+        n = len(delivered)
+        prompt = req.prompt_token_ids[:req.num_original_prompt_tokens] + delivered
+        remaining = t.params.max_tokens - n
+        if remaining <= 0 or len(prompt) >= self._max_model_len():
+            self.tracked.pop(rid, None)
+            req.hub.push.remote([StreamEvent(rid, n, [], True, "length", num_prompt_tokens=req.num_original_prompt_tokens)])
+            return
+        params = replace(t.params, max_tokens=remaining, min_tokens=max(0, t.params.min_tokens - n))
+        t.req = replace(req, prompt_token_ids=prompt, params=params, offset=n, attempt=req.attempt + 1)
+        t.handle = None
+        self._place_prefill(rid)
+
+    def _fail(self, t: _Tracked, message: str) -> None:
+        self.tracked.pop(t.req.request_id, None)
+        self.counters["failed"] += 1
+        t.req.hub.push.remote([StreamEvent(t.req.request_id, t.req.offset, [], True, "error", message)])
+
+    def _max_model_len(self) -> int:
+        for p in self.pools.values():
+            for w in p.values():
+                if w.info:
+                    return w.info["max_model_len"]
+        return 1 << 30
 
     async def abort(self, request_id: str) -> None:
         t = self.tracked.pop(request_id, None)
@@ -248,36 +370,167 @@ class Router:
             w = self.prefill.get(t.prefill_worker_id or "")
             if w is not None and t.handle is not None:
                 w.actor.kv_release.remote(request_id, t.handle.epoch)
-        else:
+        elif t.stage in ("admitting", "decode"):
             w = self.decode.get(t.worker_id or "")
             if w is not None:
                 w.actor.abort.remote(request_id)
 
+    # ------------------------------------------------------------------ failures
+    async def _monitor(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            workers = [w for p in self.pools.values() for w in p.values() if w.ready]
+            results = await asyncio.gather(*[asyncio.wait_for(w.actor.ping.remote(), self.config.health_check_timeout_s)
+                                             for w in workers], return_exceptions=True)
+            for w, r in zip(workers, results):
+                if isinstance(r, (ray.exceptions.RayActorError, asyncio.TimeoutError)):
+                    await self._on_worker_dead(w, repr(r))
+
+    async def _on_worker_dead(self, w: _Worker, why: str) -> None:
+        if self.pools[w.role].pop(w.worker_id, None) is None:
+            return
+        self.counters["worker_deaths"] += 1
+        logger.warning("%s died (%s); moving its requests", w.worker_id, why)
+        self._decide(w.role, "replace" if not w.draining else "drained", len(self.pools[w.role]) + 1,
+                     len(self.pools[w.role]), f"{w.worker_id} died")
+        try:
+            ray.kill(w.actor)
+        except Exception:  # noqa: BLE001
+            pass
+        lost = []
+        for t in list(self.tracked.values()):
+            if w.role == "prefill" and (t.prefill_worker_id == w.worker_id and t.stage in ("prefill", "pending_decode")):
+                lost.append((t, "retries"))
+            elif w.role == "decode" and t.worker_id == w.worker_id and t.stage in ("admitting", "decode"):
+                lost.append((t, "migrations"))
+        for t, counter in lost:
+            await self._requeue(t, f"{w.worker_id} died", counter)
+        lo, _ = self.config.pool_bounds(w.role)
+        while len(self.pools[w.role]) < max(lo, self.scale[w.role].desired):
+            asyncio.get_event_loop().create_task(self._until_ready(self._spawn(w.role)))
+
+    # ------------------------------------------------------------------ autoscaling
+    def _decide(self, pool: str, action: str, frm: int, to: int, reason: str) -> None:
+        self.decisions.append({"time": time.time(), "pool": pool, "action": action, "from": frm, "to": to,
+                               "reason": reason})
+        logger.info("autoscale %s: %s %d -> %d (%s)", pool, action, frm, to, reason)
+
+    def _desired(self, pool: str) -> tuple[int, str]:
+        c = self.config
+        lo, hi = c.pool_bounds(pool)
+        active = [w for w in self.pools[pool].values() if not w.draining]
+        n = len(active)
+        if pool == "prefill":
+            queued = sum(w.queued_prompt_tokens for w in active) + sum(
+                len(self.tracked[r].req.prompt_token_ids) for r in self.unplaced if r in self.tracked)
+            want = math.ceil(queued / c.prefill_target_queued_tokens)
+            reason = f"{queued} queued prompt tokens, target {c.prefill_target_queued_tokens}/worker"
+        else:
+            waiting = len(self.pending_decode)
+            reports = [w.report for w in active if w.report is not None]
+            use = (sum(1 - r.num_free_blocks / r.num_total_blocks for r in reports) / len(reports)) if reports else 0.0
+            running = sum(r.num_running for r in reports)
+            if waiting > c.decode_target_waiting * max(n, 1) or use > c.decode_target_kv_use:
+                want = n + 1
+            elif waiting == 0 and n > 1 and use * n / (n - 1) < c.decode_target_kv_use / 2 and \
+                    running <= c.max_num_seqs * (n - 1) // 2:
+                want = n - 1
+            else:
+                want = n
+            reason = f"{waiting} waiting for a slot, KV use {use:.0%}, {running} running"
+        return max(lo, min(hi, want)), reason
+
+    async def _autoscale(self) -> None:
+        c = self.config
+        while True:
+            await asyncio.sleep(c.autoscale_interval_s)
+            now = time.time()
+            for pool in ("prefill", "decode"):
+                st = self.scale[pool]
+                active = [w for w in self.pools[pool].values() if not w.draining]
+                want, reason = self._desired(pool)
+                st.desired, st.reason = want, reason
+                direction = (want > len(active)) - (want < len(active))
+                if direction != st.signal_dir:
+                    st.signal_dir, st.signal_since = direction, now
+                held = now - (st.signal_since or now)
+                if direction > 0 and held >= c.upscale_delay_s:
+                    self._decide(pool, "scale_up", len(active), want, reason)
+                    self.counters["scale_ups"] += 1
+                    for _ in range(want - len(active)):
+                        asyncio.get_event_loop().create_task(self._until_ready(self._spawn(pool)))
+                    st.signal_dir, st.signal_since = 0, now
+                elif direction < 0 and held >= c.downscale_delay_s:
+                    victim = min(active, key=lambda w: self._load(w))
+                    victim.draining = True
+                    self._decide(pool, "scale_down", len(active), len(active) - 1, reason + f"; draining {victim.worker_id}")
+                    self.counters["scale_downs"] += 1
+                    st.signal_dir, st.signal_since = 0, now
+            await self._finish_drains()
+
+    def _load(self, w: _Worker) -> int:
+        return sum(1 for t in self.tracked.values() if w.worker_id in (t.worker_id, t.prefill_worker_id))
+
+    async def _finish_drains(self) -> None:
+        """A draining worker takes no new work; once nothing of it is tracked, it closes and exits."""
+        for pool in self.pools.values():
+            for w in list(pool.values()):
+                if w.draining and self._load(w) == 0:
+                    pool.pop(w.worker_id, None)
+                    try:
+                        await asyncio.wait_for(w.actor.close.remote(), 10)
+                    except Exception:  # noqa: BLE001
+                        pass
+                    ray.kill(w.actor)
+
     # ------------------------------------------------------------------ introspection
     async def stats(self) -> dict:
+        def pool_view(pool: str) -> dict:
+            st = self.scale[pool]
+            lo, hi = self.config.pool_bounds(pool)
+            return {"size": len(self.pools[pool]), "ready": sum(w.ready for w in self.pools[pool].values()),
+                    "draining": sum(w.draining for w in self.pools[pool].values()), "min": lo, "max": hi,
+                    "desired": st.desired, "signal": st.reason}
+
         return {
             "counters": dict(self.counters),
             "num_tracked": len(self.tracked),
             "num_pending_decode": len(self.pending_decode),
-            "prefill": {w.worker_id: {"queued_prompt_tokens": w.queued_prompt_tokens} for w in self.prefill.values()},
+            "num_unplaced": len(self.unplaced),
+            "pools": {"prefill": pool_view("prefill"), "decode": pool_view("decode")},
+            "decisions": list(self.decisions)[-20:],
+            "prefill": {w.worker_id: {"queued_prompt_tokens": w.queued_prompt_tokens, "ready": w.ready,
+                                      "draining": w.draining, "node_id": w.info.get("node_id"),
+                                      "created_at": w.created_at, "ready_at": w.ready_at}
+                        for w in self.prefill.values()},
             "decode": {w.worker_id: {"max_batch_seen": w.max_batch_seen, "num_steps": w.num_steps,
                                      "free_blocks": w.report.num_free_blocks if w.report else None,
-                                     "running": w.report.num_running if w.report else 0}
+                                     "running": w.report.num_running if w.report else 0, "ready": w.ready,
+                                     "draining": w.draining, "node_id": w.info.get("node_id")}
                        for w in self.decode.values()},
         }
 
     async def workers(self) -> dict[str, Any]:
-        return {w.worker_id: w.actor for w in list(self.prefill.values()) + list(self.decode.values())}
+        return {w.worker_id: w.actor for p in self.pools.values() for w in p.values()}
 
     async def check_integrity(self) -> dict:
-        """Runs every worker's block-manager integrity check; returns their block use."""
-        workers = list(self.prefill.values()) + list(self.decode.values())
+        """Runs every live worker's block-manager integrity check; returns their block use."""
+        workers = [w for p in self.pools.values() for w in p.values() if w.ready]
         res = await asyncio.gather(*[w.actor.check_integrity.remote() for w in workers])
         return {w.worker_id: r for w, r in zip(workers, res)}
 
     async def shutdown(self) -> None:
-        for w in list(self.prefill.values()) + list(self.decode.values()):
-            try:
-                ray.kill(w.actor)
-            except Exception:  # noqa: BLE001
-                pass
+        for t in self._tasks:
+            t.cancel()
+        for p in self.pools.values():
+            for w in list(p.values()):
+                try:
+                    ray.kill(w.actor)
+                except Exception:  # noqa: BLE001
+                    pass
+            p.clear()
+
+
+# NOTE: restartable: a new incarnation adopts the detached workers and rebuilds from their snapshots;
+# calls made while it restarts are retried rather than failed.
+RouterActor = ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)(Router)

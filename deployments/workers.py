@@ -52,7 +52,7 @@ class _EngineWorker:
         return {"worker_id": self.worker_id, "role": self.role, "model_dir": e.model_dir,
                 "max_model_len": e.max_model_len, "vocab_size": e.vocab_size,
                 "num_blocks": e.block_manager.num_blocks, "block_size": e.block_manager.block_size,
-                "node_ip": ray.util.get_node_ip_address()}
+                "node_ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id()}
 
     def ping(self) -> str:
         return self.worker_id
@@ -73,6 +73,10 @@ class _EngineWorker:
     def shutdown(self) -> None:
         self._alive = False
         self._wake.set()
+
+    def num_requests(self) -> int:
+        with self.lock:
+            return len(self.requests)
 
     # ------------------------------------------------------------------ loop
     def _idle(self) -> None:
@@ -131,7 +135,21 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         _EngineWorker.__init__(self, worker_id, config, router)
         self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s)
+        # Requests whose KV is leased out, kept so a restarted router can rebuild its queue.
+        self.leased: dict[str, tuple[GenRequest, KVHandle]] = {}
         self._start()
+
+    def snapshot(self) -> dict:
+        """What this worker holds, for a router rebuilding its state after a restart."""
+        with self.lock:
+            live = {rid: v for rid, v in self.leased.items() if rid in self.kv_exporter.leases}
+            self.leased = live
+            return {"prefilling": list(self.requests.values()), "leased": list(live.values())}
+
+    def close(self) -> None:
+        """Drained: release every lease and transfer group."""
+        self.kv_exporter.close()
+        self.shutdown()
 
     def add(self, req: GenRequest) -> None:
         try:
@@ -151,6 +169,9 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
 
     def _idle(self) -> None:
         self.kv_exporter.reap_expired()
+        with self.lock:
+            if len(self.leased) > len(self.kv_exporter.leases):
+                self.leased = {rid: v for rid, v in self.leased.items() if rid in self.kv_exporter.leases}
 
     def _after_step(self, outs: list[RequestOutput], stats) -> None:
         events, reqs = [], []
@@ -166,6 +187,8 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
                              num_prompt_tokens=req.num_original_prompt_tokens)
             if out.finish_reason == "prefilled":
                 handle = self.kv_exporter.grant(out, out.num_prompt_tokens)
+                with self.lock:
+                    self.leased[req.request_id] = (req, handle)
                 self.router.on_prefilled.remote(self.worker_id, req.request_id, handle)
             else:
                 ev.finished, ev.finish_reason = True, out.finish_reason
@@ -216,6 +239,14 @@ class DecodeWorker(_EngineWorker):
             if not known:
                 self._aborted.add(request_id)  # a pull may be in flight
             return _EngineWorker.abort(self, request_id)
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"decoding": list(self.requests.values())}
+
+    def close(self) -> None:
+        self.kv_importer.close()
+        self.shutdown()
 
     def report(self) -> DecodeReport:
         with self.lock:

@@ -1,0 +1,178 @@
+"""Failures lose nothing: kill a decode worker, a prefill worker, or the router mid-stream; every
+request completes with the same greedy output as an undisturbed run, and no block leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import pytest
+import ray
+
+from deployments.app import NAMESPACE, ROUTER_NAME, get_or_create_router, shutdown_router
+from deployments.config import ServeConfig
+from deployments.router_backend import RouterBackend
+from deployments.stream_hub import StreamHub
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+PROMPTS = [f"Write a short story number {i} about a {w}." for i, w in
+           enumerate(["dragon", "robot", "sailor", "garden", "violin", "comet"])]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests")
+    cfg = ServeConfig(num_prefill_workers=2, num_decode_workers=2, kv_cache_memory_mb=64, max_num_seqs=8,
+                      health_check_timeout_s=5.0)
+    router = get_or_create_router(cfg)
+    ray.get(router.wait_ready.remote(600), timeout=700)
+    hub = StreamHub.remote()
+    yield router, hub
+    shutdown_router()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    eng = LLMEngine(EngineConfig(model=None, num_kv_blocks=256))
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(str(i), eng.apply_chat_template([{"role": "user", "content": p}]),
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[int(o.request_id)] = o.token_ids
+    return [out[i] for i in range(len(PROMPTS))], eng
+
+
+async def _run_all(backend: RouterBackend, prompts_ids, on_progress=None):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    progress = [0] * len(prompts_ids)
+    gaps = [0.0] * len(prompts_ids)
+
+    async def one(i, ids):
+        toks, last = [], None
+        async for d in backend.generate(f"r{i}-{uuid.uuid4().hex[:6]}", ids, params):
+            now = time.monotonic()
+            if last is not None and d.token_ids:
+                gaps[i] = max(gaps[i], now - last)
+            last = now
+            assert d.finish_reason != "error", d.error
+            toks += d.token_ids
+            progress[i] = len(toks)
+        return toks
+
+    tasks = [asyncio.create_task(one(i, ids)) for i, ids in enumerate(prompts_ids)]
+    if on_progress is not None:
+        await on_progress(progress)
+    return await asyncio.wait_for(asyncio.gather(*tasks), 300), gaps
+
+
+def _assert_clean(router, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        use = ray.get(router.check_integrity.remote(), timeout=30)
+        if all(u["num_used_blocks"] == 0 and u["num_requests"] == 0 for u in use.values()):
+            return
+        assert time.monotonic() < deadline, f"blocks still held: {use}"
+        time.sleep(0.3)
+
+
+def _wait_pools(router, n_prefill, n_decode, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = ray.get(router.stats.remote())["pools"]
+        if pools["prefill"]["ready"] == n_prefill and pools["decode"]["ready"] == n_decode:
+            return
+        assert time.monotonic() < deadline, pools
+        time.sleep(0.5)
+
+
+def _scenario(cluster, reference, kill):
+    router, hub = cluster
+    want, eng = reference
+    ids = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
+    before = ray.get(router.stats.remote())["counters"]
+
+    async def go():
+        async def killer(progress):
+            deadline = time.monotonic() + 120
+            while min(progress) < 5:  # every stream has started decoding
+                assert time.monotonic() < deadline, progress
+                await asyncio.sleep(0.05)
+            await kill(router)
+        return await _run_all(backend, ids, killer)
+
+    got, gaps = asyncio.run(go())
+    assert got == want
+    after = ray.get(router.stats.remote())["counters"]
+    return before, after, gaps
+
+
+def test_decode_worker_dies_streams_resume_identically(cluster, reference):
+    async def kill(router):
+        workers = await router.workers.remote()
+        ray.kill(workers["pdserve-decode-0"])
+
+    before, after, gaps = _scenario(cluster, reference, kill)
+    assert after["migrations"] > before["migrations"]
+    assert after["worker_deaths"] > before["worker_deaths"]
+    router, _ = cluster
+    _wait_pools(router, 2, 2)  # a replacement decode worker joined
+    _assert_clean(router)
+
+
+def test_prefill_worker_dies_requests_retried(cluster, reference):
+    router, hub = cluster
+    want, eng = reference
+    ids = [eng.apply_chat_template([{"role": "user", "content": p * 20}]) for p in PROMPTS]  # long prompts
+    backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
+    before = ray.get(router.stats.remote())["counters"]
+
+    async def go():
+        async def killer(progress):
+            await asyncio.sleep(0.3)  # prefills are under way, none finished yet
+            workers = await router.workers.remote()
+            ray.kill(workers[sorted(w for w in workers if "prefill" in w)[0]])
+        return await _run_all(backend, ids, killer)
+
+    got, _ = asyncio.run(go())
+    ref = {}
+    for i, p in enumerate(ids):
+        eng.add_request(f"p{i}", p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                ref[int(o.request_id[1:])] = o.token_ids
+    assert got == [ref[i] for i in range(len(ids))]
+    after = ray.get(router.stats.remote())["counters"]
+    assert after["retries"] > before["retries"]
+    _wait_pools(router, 2, 2)
+    _assert_clean(router)
+
+
+def test_router_dies_streams_continue_and_new_requests_served(cluster, reference):
+    async def kill(router):
+        ray.kill(router, no_restart=False)
+
+    before, after, gaps = _scenario(cluster, reference, kill)
+    router, hub = cluster
+    assert after["adopted_requests"] > 0  # the new incarnation rebuilt its state from the workers
+    # New requests after the restart.
+    want, eng = reference
+    backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
+
+    async def one():
+        ids = eng.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
+        toks = []
+        async for d in backend.generate("after-restart", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                                             ignore_eos=True)):
+            toks += d.token_ids
+        return toks
+
+    assert asyncio.run(one()) == want[0]
+    _assert_clean(router)
