@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from deployments import metrics
 from deployments.config import ServeConfig
 from deployments.messages import DecodeReport, GenRequest, StreamEvent
 from deployments.workers import DecodeWorker, PrefillWorker
@@ -192,9 +193,11 @@ class Router:
         """Queue `req`; {"ok": False, "retry_after_s"} when the queue is full (the caller answers 429)."""
         if self._num_queued() >= self.config.max_queued_requests:
             self.counters["rejected"] += 1
+            metrics.count_rejected()
             return {"ok": False, "retry_after_s": 1.0,
                     "reason": f"{self._num_queued()} requests queued (max_queued_requests)"}
         self.counters["submitted"] += 1
+        metrics.count_submitted()
         req.arrival_time = req.arrival_time or time.time()
         self.tracked[req.request_id] = _Tracked(req, req.params, "unplaced")
         self._place_prefill(req.request_id)
@@ -314,6 +317,7 @@ class Router:
                 t.stage = "decode"
             else:
                 self.counters["transfer_failures"] += 1
+                metrics.count_transfer_failure()
                 await self._requeue(t, "KV transfer failed", "retries")
         self._admit()
 
@@ -332,6 +336,7 @@ class Router:
             self.tracked.pop(rid, None)
             return
         self.counters[counter] += 1
+        metrics.count_requeue(counter)
         n = len(delivered)
         prompt = req.prompt_token_ids[:req.num_original_prompt_tokens] + delivered
         remaining = t.params.max_tokens - n
@@ -379,6 +384,7 @@ class Router:
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(1.0)
+            self._export_gauges()
             workers = [w for p in self.pools.values() for w in p.values() if w.ready]
             results = await asyncio.gather(*[asyncio.wait_for(w.actor.ping.remote(), self.config.health_check_timeout_s)
                                              for w in workers], return_exceptions=True)
@@ -386,10 +392,16 @@ class Router:
                 if isinstance(r, (ray.exceptions.RayActorError, asyncio.TimeoutError)):
                     await self._on_worker_dead(w, repr(r))
 
+    def _export_gauges(self) -> None:
+        prefill_queue = sum(1 for t in self.tracked.values() if t.stage in ("unplaced", "prefill"))
+        metrics.set_pool_state("prefill", prefill_queue, len(self.prefill))
+        metrics.set_pool_state("decode", len(self.pending_decode), len(self.decode))
+
     async def _on_worker_dead(self, w: _Worker, why: str) -> None:
         if self.pools[w.role].pop(w.worker_id, None) is None:
             return
         self.counters["worker_deaths"] += 1
+        metrics.count_worker_death(w.role)
         logger.warning("%s died (%s); moving its requests", w.worker_id, why)
         self._decide(w.role, "replace" if not w.draining else "drained", len(self.pools[w.role]) + 1,
                      len(self.pools[w.role]), f"{w.worker_id} died")

@@ -15,6 +15,7 @@ from typing import Any
 import ray
 import torch
 
+from deployments import metrics
 from deployments.config import ServeConfig
 from deployments.kv_endpoint import KVExporter, KVExportMixin, KVImporter
 from deployments.messages import DecodeReport, GenRequest, StreamEvent
@@ -88,6 +89,8 @@ class _EngineWorker:
                 busy = self.engine.has_unfinished_requests()
             if not busy:
                 self._idle()
+                with self.lock:
+                    metrics.record_load(self.role, self.worker_id, self.engine)
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
                 continue
@@ -95,6 +98,7 @@ class _EngineWorker:
                 with self.lock:
                     outs = self.engine.step()
                     stats = self.engine.last_step
+                    metrics.record_step(self.role, self.worker_id, stats, self.engine)
                 self.num_steps += 1
                 self._after_step(outs, stats)
             except Exception as exc:  # noqa: BLE001 - a broken step must not kill the worker silently
@@ -217,11 +221,13 @@ class DecodeWorker(_EngineWorker):
     def admit(self, req: GenRequest, handle: KVHandle, prefill_actor: Any) -> bool:
         """Fetch the KV from `prefill_actor` and join the running batch. False (router re-prefills) on
         any transfer failure; blocks on both sides are already freed then."""
+        t0 = time.perf_counter()
         try:
             block_ids = self.kv_importer.pull(handle, prefill_actor)
         except KVTransferError as exc:
             logger.warning("%s: KV pull of %s failed: %r", self.worker_id, req.request_id, exc)
             return False
+        metrics.record_kv_pull(self.worker_id, handle.nbytes, time.perf_counter() - t0)
         with self.lock:
             if req.request_id in self._aborted:
                 self._aborted.discard(req.request_id)

@@ -1,0 +1,234 @@
+"""pdserve's Prometheus metrics, through `ray.util.metrics` (Ray's metrics endpoint exports them with a
+`ray_` prefix, e.g. `ray_pdserve_time_to_first_token_seconds_bucket`).
+
+    Router actor   ─▶ queue depth and size per pool; rejected, retries, migrations, transfer failures
+    Workers        ─▶ per step: batch size, tokens, step time, running / waiting, KV-block use, preemptions;
+                      decode side: KV transfer bytes and seconds
+    Ingress        ─▶ per request: TTFT, TPOT, inter-token latency, end-to-end, prompt / generation tokens
+
+A metric object records in the process that created it, so each process builds its own set on first
+use (`_get`). Every function here is a no-op outside a Ray process (e.g. unit tests without Ray).
+NOTE: workers call `record_step` once per engine step: a handful of calls (~5 µs each), never one per
+token per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.util.metrics import Counter, Gauge, Histogram
+
+# Seconds, wide enough for a GPU's few-ms steps and a CPU's multi-second prompts.
+LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+                     5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0]
+PER_TOKEN_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                       0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
+COUNT_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+LOAD_REFRESH_S = 1.0  # how often an idle worker refreshes its load gauges
+
+logger = logging.getLogger(__name__)
+
+_POOL = ("pool",)
+_WORKER = ("pool", "worker_id")
+
+
+class _Metrics:
+    """Every pdserve metric, created once per process."""
+
+    def __init__(self) -> None:
+        def counter(name: str, doc: str, tags: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, description=doc, tag_keys=tags)
+
+        def gauge(name: str, doc: str, tags: tuple[str, ...]) -> Gauge:
+            return Gauge(name, description=doc, tag_keys=tags)
+
+        def hist(name: str, doc: str, buckets: list[float], tags: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(name, description=doc, boundaries=buckets, tag_keys=tags)
+
+        # router
+        self.queue_depth = gauge("pdserve_queue_depth", "Requests waiting for a worker of this pool "
+                                 "(prefill: not yet prefilled; decode: prefilled, waiting for a slot).", _POOL)
+        self.pool_workers = gauge("pdserve_pool_workers", "Workers in the pool (ready or starting).", _POOL)
+        self.submitted = counter("pdserve_requests_submitted_total", "Requests the router accepted.")
+        self.rejected = counter("pdserve_requests_rejected_total", "Requests refused because the queue was full.")
+        self.retries = counter("pdserve_retries_total", "Requests prefilled again after a prefill worker "
+                               "died or a KV transfer failed.")
+        self.migrations = counter("pdserve_migrations_total", "Requests moved off a dead decode worker.")
+        self.transfer_failures = counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.")
+        self.worker_deaths = counter("pdserve_worker_deaths_total", "Workers found dead.", _POOL)
+        # workers, per step
+        self.running = gauge("pdserve_running_seqs", "Sequences in the worker's running batch.", _WORKER)
+        self.waiting = gauge("pdserve_waiting_seqs", "Sequences waiting in the worker's engine.", _WORKER)
+        self.kv_used = gauge("pdserve_kv_blocks_used", "KV-cache blocks in use.", _WORKER)
+        self.kv_usage = gauge("pdserve_kv_cache_usage", "Fraction of the worker's KV-cache blocks in use.", _WORKER)
+        self.batch_size = hist("pdserve_batch_size", "Sequences per engine step.", COUNT_BUCKETS, _POOL)
+        self.step_tokens = hist("pdserve_step_tokens", "Tokens computed per engine step.", COUNT_BUCKETS, _POOL)
+        self.step_seconds = hist("pdserve_step_seconds", "Engine step time.", LATENCY_BUCKETS_S, _POOL)
+        self.prefill_tokens = counter("pdserve_prefill_tokens_total", "Prompt tokens computed (recomputation "
+                                      "after preemption or migration included).", _WORKER)
+        self.decode_tokens = counter("pdserve_decode_tokens_total", "Decode tokens computed.", _WORKER)
+        self.preemptions = counter("pdserve_preemptions_total", "Sequences preempted for lack of KV blocks.",
+                                   _WORKER)
+        # KV transfer, decode side
+        self.kv_bytes = counter("pdserve_kv_transfer_bytes_total", "KV-cache bytes received.", _WORKER)
+        self.kv_seconds = hist("pdserve_kv_transfer_seconds", "Time to pull one request's KV blocks.",
+                               LATENCY_BUCKETS_S, _POOL)
+        # ingress, per request
+        self.ttft = hist("pdserve_time_to_first_token_seconds", "From the request to its first token.",
+                         LATENCY_BUCKETS_S)
+        self.tpot = hist("pdserve_time_per_output_token_seconds", "Per request: (end-to-end - TTFT) / "
+                         "(output tokens - 1).", PER_TOKEN_BUCKETS_S)
+        self.itl = hist("pdserve_inter_token_latency_seconds", "Gap between token deliveries, per token.",
+                        PER_TOKEN_BUCKETS_S)
+        self.e2e = hist("pdserve_e2e_request_latency_seconds", "From the request to its last token.",
+                        LATENCY_BUCKETS_S)
+        self.requests = counter("pdserve_requests_total", "Requests that ended, by finish reason.",
+                                ("finish_reason",))
+        self.prompt_tokens = counter("pdserve_prompt_tokens_total", "Prompt tokens of ended requests.")
+        self.generation_tokens = counter("pdserve_generation_tokens_total", "Tokens delivered to clients.")
+
+
+_metrics: _Metrics | None = None
+_lock = threading.Lock()
+_last_load_refresh = 0.0
+
+
+def _get() -> _Metrics | None:
+    global _metrics
+    if _metrics is None:
+        if not ray.is_initialized():
+            return None
+        with _lock:
+            if _metrics is None:
+                _metrics = _Metrics()
+    return _metrics
+
+
+# ---------------------------------------------------------------------- router
+def set_pool_state(pool: str, queue_depth: int, num_workers: int) -> None:
+    if (m := _get()) is None:
+        return
+    tags = {"pool": pool}
+    m.queue_depth.set(queue_depth, tags=tags)
+    m.pool_workers.set(num_workers, tags=tags)
+
+
+def count_submitted() -> None:
+    if (m := _get()) is not None:
+        m.submitted.inc()
+
+
+def count_rejected() -> None:
+    if (m := _get()) is not None:
+        m.rejected.inc()
+
+
+def count_requeue(reason: str) -> None:
+    """`reason` is the router counter that went up: "retries" or "migrations"."""
+    if (m := _get()) is not None:
+        (m.migrations if reason == "migrations" else m.retries).inc()
+
+
+def count_transfer_failure() -> None:
+    if (m := _get()) is not None:
+        m.transfer_failures.inc()
+
+
+def count_worker_death(pool: str) -> None:
+    if (m := _get()) is not None:
+        m.worker_deaths.inc(tags={"pool": pool})
+
+
+# ---------------------------------------------------------------------- workers
+def record_step(pool: str, worker_id: str, stats: Any, engine: Any) -> None:
+    """After each engine step, under the worker's engine lock. `stats` is `engine.last_step`."""
+    if (m := _get()) is None:
+        return
+    tags = {"pool": pool}
+    if stats.num_seqs:
+        m.batch_size.observe(stats.num_seqs, tags=tags)
+        m.step_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens, tags=tags)
+        m.step_seconds.observe(stats.duration_s, tags=tags)
+    wtags = {"pool": pool, "worker_id": worker_id}
+    if stats.num_prefill_tokens:
+        m.prefill_tokens.inc(stats.num_prefill_tokens, tags=wtags)
+    if stats.num_decode_tokens:
+        m.decode_tokens.inc(stats.num_decode_tokens, tags=wtags)
+    if stats.num_preempted:
+        m.preemptions.inc(stats.num_preempted, tags=wtags)
+    _set_load(m, wtags, engine)
+
+
+def record_load(pool: str, worker_id: str, engine: Any) -> None:
+    """From an idle worker's loop: refresh the load gauges (at most once per LOAD_REFRESH_S)."""
+    global _last_load_refresh
+    now = time.monotonic()
+    if now - _last_load_refresh < LOAD_REFRESH_S or (m := _get()) is None:
+        return
+    _last_load_refresh = now
+    try:  # NOTE: called outside the step loop's error handling: a failure here must not end the loop
+        _set_load(m, {"pool": pool, "worker_id": worker_id}, engine)
+    except Exception:  # noqa: BLE001
+        logger.debug("load gauges not recorded", exc_info=True)
+
+
+def _set_load(m: _Metrics, tags: dict[str, str], engine: Any) -> None:
+    bm = engine.block_manager
+    m.running.set(engine.num_running, tags=tags)
+    m.waiting.set(engine.num_waiting, tags=tags)
+    m.kv_used.set(bm.num_used_blocks, tags=tags)
+    m.kv_usage.set(bm.num_used_blocks / max(bm.num_blocks, 1), tags=tags)
+
+
+def record_kv_pull(worker_id: str, nbytes: int, seconds: float) -> None:
+    """A decode worker received one request's KV blocks."""
+    if (m := _get()) is None:
+        return
+    m.kv_bytes.inc(nbytes, tags={"pool": "decode", "worker_id": worker_id})
+    m.kv_seconds.observe(seconds, tags={"pool": "decode"})
+
+
+# ---------------------------------------------------------------------- ingress
+class RequestTimer:
+    """Latencies of one request as its client sees them; `tokens` on each delivery, `finish` once."""
+
+    __slots__ = ("start", "first", "last", "num_tokens", "done")
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.last = self.start
+        self.num_tokens = 0
+        self.done = False
+
+    def tokens(self, n: int) -> None:
+        if n <= 0 or (m := _get()) is None:
+            return
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            m.ttft.observe(now - self.start)
+        else:
+            m.itl.observe((now - self.last) / n)
+        self.last = now
+        self.num_tokens += n
+
+    def finish(self, finish_reason: str | None, num_prompt_tokens: int) -> None:
+        if self.done or (m := _get()) is None:
+            return
+        self.done = True
+        now = time.perf_counter()
+        m.requests.inc(tags={"finish_reason": finish_reason or "aborted"})
+        if num_prompt_tokens:
+            m.prompt_tokens.inc(num_prompt_tokens)
+        if self.num_tokens:
+            m.generation_tokens.inc(self.num_tokens)
+        if finish_reason in (None, "error", "aborted") or self.first is None:
+            return  # latencies of failed or abandoned requests would only skew the histograms
+        m.e2e.observe(now - self.start)
+        if self.num_tokens > 1:
+            m.tpot.observe((now - self.first) / (self.num_tokens - 1))

@@ -1,0 +1,113 @@
+"""Metrics end to end: run requests through the router, scrape Ray's Prometheus endpoint, and find
+every pdserve_* series there and moving. Ray exports them with a `ray_` prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections import defaultdict
+
+import httpx
+import pytest
+import ray
+
+from deployments.app import get_or_create_router, shutdown_router
+from deployments.backend import QueueFullError
+from deployments.config import ServeConfig
+from deployments.router_backend import RouterBackend
+from deployments.stream_hub import StreamHub
+from engine import SamplingParams
+
+NUM_REQUESTS = 8
+MAX_QUEUED = 6  # a burst of NUM_REQUESTS overflows it: some are rejected
+MAX_TOKENS = 12
+
+# Series that must exist and be > 0 after the load (counters, and the _count of histograms).
+MOVED = [
+    "pdserve_requests_submitted_total", "pdserve_requests_rejected_total",
+    "pdserve_batch_size_count", "pdserve_step_tokens_count", "pdserve_step_seconds_count",
+    "pdserve_prefill_tokens_total", "pdserve_decode_tokens_total",
+    "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds_count",
+    "pdserve_time_to_first_token_seconds_count", "pdserve_time_per_output_token_seconds_count",
+    "pdserve_inter_token_latency_seconds_count", "pdserve_e2e_request_latency_seconds_count",
+    "pdserve_requests_total", "pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
+    "pdserve_pool_workers",
+]
+# Gauges that only have to be there (they are back to 0 once the load is over).
+PRESENT = ["pdserve_queue_depth", "pdserve_running_seqs", "pdserve_waiting_seqs", "pdserve_kv_blocks_used",
+           "pdserve_kv_cache_usage"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Sum of every pdserve sample by series name (labels dropped, the `ray_` prefix removed)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    out: dict[str, float] = defaultdict(float)
+    for line in text.splitlines():
+        if line.startswith("ray_pdserve_"):
+            name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("ray_")
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests",
+             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
+    cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64, max_num_seqs=8,
+                      max_queued_requests=MAX_QUEUED)
+    router = get_or_create_router(cfg)
+    ray.get(router.wait_ready.remote(600), timeout=700)
+    hub = StreamHub.remote()
+    yield router, hub, port
+    shutdown_router()
+    ray.shutdown()
+
+
+def test_metrics_exported_and_moving_under_load(cluster):
+    router, hub, port = cluster
+    backend = RouterBackend(router, hub, "hub-metrics", request_timeout_s=120)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+
+    async def one(i: int) -> int | None:
+        try:
+            n = 0
+            async for d in backend.generate(f"m{i}-{uuid.uuid4().hex[:6]}", list(range(100, 140 + i)), params):
+                assert d.finish_reason != "error", d.error
+                n += len(d.token_ids)
+            return n
+        except QueueFullError:
+            return None
+
+    async def load() -> list[int | None]:
+        return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(NUM_REQUESTS)]), 120)
+
+    got = asyncio.run(load())
+    served = [n for n in got if n is not None]
+    assert served and all(n == MAX_TOKENS for n in served), got
+    assert len(served) < NUM_REQUESTS, "the burst should overflow max_queued_requests"
+    counters = ray.get(router.stats.remote())["counters"]
+    assert counters["rejected"] == NUM_REQUESTS - len(served)
+
+    deadline = time.monotonic() + 30
+    while True:
+        m = _scrape(port)
+        missing = [k for k in MOVED if m.get(k, 0) <= 0] + [k for k in PRESENT if k not in m]
+        if not missing and m["pdserve_requests_total"] >= len(served):
+            break
+        assert time.monotonic() < deadline, f"not exported or not moving: {missing}"
+        time.sleep(1.0)
+    assert m["pdserve_requests_rejected_total"] == counters["rejected"]
+    assert m["pdserve_requests_submitted_total"] == len(served)
+    assert m["pdserve_generation_tokens_total"] == MAX_TOKENS * len(served)
+    assert m["pdserve_time_to_first_token_seconds_count"] == len(served)
+    assert m["pdserve_e2e_request_latency_seconds_count"] == len(served)
+    assert m["pdserve_pool_workers"] == 2  # one prefill, one decode
