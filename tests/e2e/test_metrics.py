@@ -67,6 +67,7 @@ def cluster():
     router = get_or_create_router(cfg)
     ray.get(router.wait_ready.remote(600), timeout=700)
     hub = StreamHub.remote()
+    ray.get(hub.num_streams.remote())  # started, so the actor's start-up is not in the first TTFTs
     yield router, hub, port
     shutdown_router()
     ray.shutdown()
