@@ -66,8 +66,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             ctx = p.num_computed + n
             ks = k_cache[p.block_table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
             vs = v_cache[p.block_table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
-            qpos = torch.arange(p.num_computed, ctx).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= qpos  # [n, ctx]
+            qpos = torch.arange(p.num_computed, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
         out[p.start:p.end] = o.squeeze(0).transpose(0, 1)
     return out

@@ -80,7 +80,7 @@ class ModelRunner:
                 decode_lens.append(end)
             else:
                 prefills.append(PrefillSeq(row0, row0 + chunk.num_new_tokens, start,
-                                           torch.tensor(table[: -(-end // bs)], dtype=torch.long)))
+                                           torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)))
             if chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
@@ -131,6 +131,6 @@ class ModelRunner:
             residual = h
             h = residual + layer.mlp(layer.post_attention_layernorm(h))
         if sample_rows.numel() == 0:
-            return torch.empty(0, self.config.vocab_size)
+            return torch.empty(0, self.config.vocab_size, device=self.device)
         h = self.norm(h[sample_rows])
         return self.lm_head(h).float()

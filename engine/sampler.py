@@ -35,6 +35,7 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: frozens
             drop = (probs.cumsum(-1) - probs) >= p.top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
-        probs = torch.softmax(row, dim=-1)
+        # NOTE: per-request generators live on the CPU, so seeded draws match on any device.
+        probs = torch.softmax(row, dim=-1).cpu()
         token_ids[i] = int(torch.multinomial(probs, 1, generator=req.generator).item())
     return token_ids

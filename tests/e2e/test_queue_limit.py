@@ -1,0 +1,54 @@
+"""Over the router's queue limit a request is refused at once (the ingress turns it into 429), and the
+refused requests leave nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from deployments.backend import QueueFullError
+from deployments.config import ServeConfig
+from deployments.router import RouterActor
+from deployments.router_backend import RouterBackend
+from deployments.stream_hub import StreamHub
+from engine import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_router(tiny_model_dir):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pdserve-queue")
+    router = RouterActor.remote(ServeConfig(model=tiny_model_dir("llama"), max_queued_requests=2,
+                                            kv_cache_memory_mb=8))
+    ray.get(router.wait_ready.remote(300), timeout=360)
+    yield router
+    ray.get(router.shutdown.remote(), timeout=60)
+    ray.kill(router)
+    ray.shutdown()
+
+
+def test_queue_full_is_refused_at_once_and_leaks_nothing(tiny_router):
+    router = tiny_router
+    backend = RouterBackend(router, StreamHub.remote(), "hub-q", request_timeout_s=60)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+
+    async def one(i):
+        toks = []
+        async for d in backend.generate(f"q{i}", [5 + i] * 200, params):
+            toks += d.token_ids
+        return toks
+
+    async def burst():
+        return await asyncio.gather(*[one(i) for i in range(12)], return_exceptions=True)
+
+    results = asyncio.run(burst())
+    refused = [r for r in results if isinstance(r, QueueFullError)]
+    served = [r for r in results if isinstance(r, list)]
+    assert refused and served, results
+    assert all(r.retry_after_s > 0 for r in refused)
+    assert all(len(r) == 64 for r in served)
+    stats = ray.get(router.stats.remote())
+    assert stats["counters"]["rejected"] == len(refused)
+    use = ray.get(router.check_integrity.remote())
+    assert all(u["num_used_blocks"] == 0 for u in use.values()), use
