@@ -1,0 +1,171 @@
+"""Figures for failures and scaling under a steady load on the CPU app (1 prefill + 2 decode workers):
+
+1. kill one decode worker mid-load: requests lost (target 0), the longest stall a client sees
+   (target: < one re-prefill of the longest sequence + 1 s), and whether outputs equal an undisturbed
+   run (greedy);
+2. a prefill burst: time from the burst to the scale-up decision, to the new worker being ready, and
+   to it serving its first step.
+
+    .venv/bin/python benchmarks/fault_figures.py [--num-requests 16 --rate 1.5 --kill-at 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ray  # noqa: E402
+
+from deployments.app import get_or_create_router, shutdown_router  # noqa: E402
+from deployments.config import ServeConfig  # noqa: E402
+from deployments.router_backend import RouterBackend  # noqa: E402
+from deployments.stream_hub import StreamHub  # noqa: E402
+from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+
+
+def workload(n: int, seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, 49152) for _ in range(rng.randint(64, 256))], rng.randint(48, 96)) for _ in range(n)]
+
+
+def reference(reqs, threads: int) -> tuple[list[list[int]], float]:
+    """Undisturbed greedy outputs, and the time to prefill the longest sequence (prompt + output) once."""
+    eng = LLMEngine(EngineConfig(model=None, num_threads=threads, num_kv_blocks=2048))
+    for i, (p, m) in enumerate(reqs):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+    out = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[int(o.request_id)] = o.token_ids
+    longest = max(len(p) + m for p, m in reqs)
+    eng.add_request("timing", [7] * longest, SamplingParams(max_tokens=1, temperature=0))
+    t0 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    return [out[i] for i in range(len(reqs))], time.perf_counter() - t0
+
+
+async def steady_load_with_kill(backend, router, reqs, rate: float, kill_at: float, seed: int):
+    rng = random.Random(seed)
+    gaps: list[float] = [0.0] * len(reqs)
+    errors: list[str | None] = [None] * len(reqs)
+    t0 = time.monotonic()
+
+    async def one(i, prompt, max_tokens, delay):
+        await asyncio.sleep(delay)
+        toks, last = [], None
+        try:
+            async for d in backend.generate(f"s{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                            ignore_eos=True)):
+                now = time.monotonic()
+                if d.token_ids and last is not None:
+                    gaps[i] = max(gaps[i], now - last)
+                if d.token_ids:
+                    last = now
+                if d.finish_reason == "error":
+                    errors[i] = d.error
+                toks += d.token_ids
+        except Exception as exc:  # noqa: BLE001
+            errors[i] = repr(exc)
+        return toks
+
+    delays, t = [], 0.0
+    for _ in reqs:
+        delays.append(t)
+        t += rng.expovariate(rate)
+    tasks = [asyncio.create_task(one(i, p, m, delays[i])) for i, (p, m) in enumerate(reqs)]
+    await asyncio.sleep(kill_at)
+    workers = await router.workers.remote()
+    victim = sorted(w for w in workers if "decode" in w)[0]
+    ray.kill(workers[victim])
+    killed_at = time.monotonic() - t0
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), 900)
+    return outs, gaps, errors, victim, killed_at
+
+
+async def burst(backend, router, n: int, prompt_len: int):
+    t0 = time.time()
+
+    async def one(i):
+        async for _ in backend.generate(f"b{i}", [100 + (i * 13 + j) % 40000 for j in range(prompt_len)],
+                                        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)):
+            pass
+
+    task = asyncio.gather(*[one(i) for i in range(n)])
+    decided = ready = serving = None
+    while not (decided and ready and serving):
+        await asyncio.sleep(0.2)
+        stats = await router.stats.remote()
+        ups = [d for d in stats["decisions"] if d["pool"] == "prefill" and d["action"] == "scale_up" and d["time"] >= t0]
+        if ups and decided is None:
+            decided = ups[0]["time"] - t0
+        new = [(wid, w) for wid, w in stats["prefill"].items() if w["created_at"] >= t0]
+        if new and new[0][1]["ready_at"] and ready is None:
+            ready = new[0][1]["ready_at"] - t0
+        if new and ready is not None and serving is None:
+            use = await router.check_integrity.remote()
+            if use.get(new[0][0], {}).get("num_steps", 0) > 0:
+                serving = time.time() - t0
+        if time.time() - t0 > 300:
+            break
+        if task.done() and not new:
+            break
+    await task
+    return decided, ready, serving
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--rate", type=float, default=1.5)
+    p.add_argument("--kill-at", type=float, default=6.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    reqs = workload(args.num_requests, args.seed)
+    print("reference run (undisturbed, in-process) ...", flush=True)
+    want, reprefill_s = reference(reqs, threads=1)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-figures")
+    try:
+        cfg = ServeConfig(num_prefill_workers=1, prefill_max_workers=2, num_decode_workers=2,
+                          prefill_target_queued_tokens=1024, upscale_delay_s=1.0, downscale_delay_s=30.0,
+                          health_check_timeout_s=5.0, kv_cache_memory_mb=128)
+        router = get_or_create_router(cfg)
+        ray.get(router.wait_ready.remote(600), timeout=700)
+        backend = RouterBackend(router, StreamHub.remote(), "hub-figures", request_timeout_s=300)
+        print("steady load, killing a decode worker ...", flush=True)
+        outs, gaps, errors, victim, killed_at = asyncio.run(
+            steady_load_with_kill(backend, router, reqs, args.rate, args.kill_at, args.seed))
+        stats = ray.get(router.stats.remote())
+        lost = sum(1 for o, (_, m), e in zip(outs, reqs, errors) if e or len(o) != m)
+        identical = sum(1 for o, w in zip(outs, want) if o == w)
+        migrated = stats["counters"]["migrations"]
+        print(f"\n== kill {victim} at t={killed_at:.1f}s under {args.rate} req/s, {len(reqs)} requests")
+        print(f"requests lost: {lost} (target 0); outputs identical to the undisturbed run: {identical}/{len(reqs)}")
+        print(f"migrated sequences: {migrated}; longest client stall: {max(gaps):.2f}s; "
+              f"re-prefill of the longest sequence ({max(len(p) + m for p, m in reqs)} tokens, 1 thread): "
+              f"{reprefill_s:.2f}s -> target < {reprefill_s + 1:.2f}s: "
+              f"{'met' if max(gaps) < reprefill_s + 1 else 'MISSED'}")
+        print("\nprefill burst ...", flush=True)
+        decided, ready, serving = asyncio.run(burst(backend, router, 16, 400))
+        f = lambda x: "-" if x is None else f"{x:.1f}s"  # noqa: E731
+        print(f"\n== burst of 16 x 400-token prompts: scale-up decided after {f(decided)}, new prefill worker "
+              f"ready after {f(ready)}, serving after {f(serving)}")
+    finally:
+        shutdown_router()
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
