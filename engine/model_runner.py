@@ -8,6 +8,7 @@ of all requests are packed into one [T] batch without padding.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PrefillSeq, paged_attention, write_kv
 from engine.scheduler import SchedulerOutput
@@ -44,6 +45,43 @@ class ModelRunner:
         self.rotary_emb = inner.rotary_emb
         self.lm_head = hf_model.lm_head
         self.scale = self.layers[0].self_attn.scaling
+        self._fuse_projections()
+
+    @torch.no_grad()
+    def _fuse_projections(self) -> None:
+        """One matmul for q/k/v and one for gate/up per layer: fewer, wider GEMMs (faster on CPU).
+
+        NOTE: the HF modules' weights become views into the fused tensors, so memory does not grow and
+        `hf_model` (the reference for tests) keeps computing with the very same values.
+        """
+        self._qkv: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self._gate_up: list[torch.Tensor] = []
+        for layer in self.layers:
+            a = layer.self_attn
+            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).contiguous()
+            nq, nk = a.q_proj.weight.shape[0], a.k_proj.weight.shape[0]
+            a.q_proj.weight.data, a.k_proj.weight.data, a.v_proj.weight.data = w[:nq], w[nq:nq + nk], w[nq + nk:]
+            b = None
+            if a.q_proj.bias is not None:
+                b = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).contiguous()
+                a.q_proj.bias.data, a.k_proj.bias.data, a.v_proj.bias.data = b[:nq], b[nq:nq + nk], b[nq + nk:]
+            self._qkv.append((w, b))
+            m = layer.mlp
+            fused = m.gate_proj.bias is None and m.up_proj.bias is None and hasattr(m, "act_fn")
+            if fused:
+                gu = torch.cat([m.gate_proj.weight, m.up_proj.weight]).contiguous()
+                ni = m.gate_proj.weight.shape[0]
+                m.gate_proj.weight.data, m.up_proj.weight.data = gu[:ni], gu[ni:]
+                self._gate_up.append(gu)
+            else:
+                self._gate_up.append(None)
+
+    def _mlp(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
+        gu = self._gate_up[li]
+        if gu is None:
+            return layer.mlp(x)
+        gate, up = F.linear(x, gu).chunk(2, dim=-1)
+        return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     @staticmethod
     def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
@@ -116,9 +154,12 @@ class ModelRunner:
             attn = layer.self_attn
             residual = h
             x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            w, b = self._qkv[li]
+            qkv = F.linear(x, w, b)
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q = qkv[:, :nq].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, nq:nq + nkv].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            v = qkv[:, nq + nkv:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
@@ -129,7 +170,7 @@ class ModelRunner:
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = residual + attn.o_proj(o.reshape(num_tokens, -1))
             residual = h
-            h = residual + layer.mlp(layer.post_attention_layernorm(h))
+            h = residual + self._mlp(li, layer, layer.post_attention_layernorm(h))
         if sample_rows.numel() == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         h = self.norm(h[sample_rows])
