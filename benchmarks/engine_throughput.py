@@ -65,11 +65,11 @@ class RunResult:
 # ---------------------------------------------------------------------------------------------- pdserve
 
 
-def build_engine(args, policy: str, max_num_seqs: int | None = None) -> LLMEngine:
+def build_engine(args, policy: str, max_num_seqs: int | None = None, kv_cache_mb: int | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=args.model, num_threads=args.threads, batching=policy,
         max_num_seqs=max_num_seqs or args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_mb=args.kv_cache_mb, max_wait_s=args.max_wait_s))
+        kv_cache_memory_mb=kv_cache_mb or args.kv_cache_mb, max_wait_s=args.max_wait_s))
 
 
 def _drain(engine: LLMEngine) -> dict[str, list[int]]:
@@ -258,15 +258,23 @@ def linear_only_step_s(model, batch: int, reps: int = 5) -> float:
     return best
 
 
+def sweep_max_tokens(batch: int, context: int, num_steps: int, token_budget: int) -> int:
+    """Early requests start decoding while later ones still prefill (one budget per step), so each
+    request must be allowed the prefill steps plus the timed steps, with margin."""
+    return num_steps + 2 * (-(-batch * context // token_budget)) + 8
+
+
 def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_steps: int,
                  roofline_tps: float, vocab: int, seed: int) -> list[dict]:
     rows = []
     workload = make_workload(max(batch_sizes), (context, context), (1, 1), vocab, seed=seed + 1)
+    budget = engine.config.max_num_batched_tokens
     for bsz in batch_sizes:
         rids = [f"sweep-{bsz}-{i}" for i in range(bsz)]
+        max_tokens = sweep_max_tokens(bsz, context, num_steps, budget)
         for rid, r in zip(rids, workload):
             engine.add_request(rid, r.prompt_token_ids,
-                               SamplingParams(max_tokens=num_steps + 8, temperature=0, ignore_eos=True))
+                               SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         # Prefill everything (several steps under the token budget), then one warm decode step.
         while True:
             engine.step()
@@ -278,7 +286,7 @@ def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_st
         for _ in range(num_steps):
             engine.step()
             st = engine.last_step
-            assert st.num_decode_tokens == bsz and st.num_prefill_tokens == 0
+            assert st.num_decode_tokens == bsz and st.num_prefill_tokens == 0 and not st.num_preempted, st
             durations.append(st.duration_s)
         wall = time.perf_counter() - t0
         for rid in rids:
@@ -397,11 +405,21 @@ def main(argv=None) -> dict:
     sweep_rows = []
     if not args.skip_sweep:
         batches = [int(b) for b in args.sweep_batches.split(",") if b]
-        if max(batches) > engine.config.max_num_seqs or engine.config.batching != "continuous":
-            del engine
-            gc.collect()
-            engine = build_engine(args, "continuous", max_num_seqs=max(max(batches), args.max_num_seqs))
-        sweep_rows = decode_sweep(engine, batches, args.sweep_context, args.sweep_steps, roof, vocab, args.seed)
+        # NOTE: the sweep must never preempt: size the KV cache for the largest batch at its final length.
+        cfg = engine.hf_model.config
+        block_mb = 2 * cfg.num_hidden_layers * 16 * cfg.num_key_value_heads * cfg.head_dim * 4 / 2**20
+        most = max(batches)
+        final_len = args.sweep_context + sweep_max_tokens(most, args.sweep_context, args.sweep_steps,
+                                                          args.max_num_batched_tokens)
+        blocks = most * -(-final_len // 16)
+        kv_mb = max(args.kv_cache_mb, int(blocks * block_mb * 1.1) + 1)
+        del engine
+        gc.collect()
+        engine = build_engine(args, "continuous", max_num_seqs=max(max(batches), args.max_num_seqs), kv_cache_mb=kv_mb)
+        try:
+            sweep_rows = decode_sweep(engine, batches, args.sweep_context, args.sweep_steps, roof, vocab, args.seed)
+        except Exception as exc:  # keep the main table: it took most of the run
+            print(f"decode sweep failed: {exc!r}", flush=True)
 
     # The roofline again, to see whether the machine changed under us (shared hosts); keep the best.
     gflops_end, mm_end = measure_roofline(shapes)
