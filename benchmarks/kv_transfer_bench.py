@@ -96,7 +96,7 @@ class DecodeActor:
         return dt
 
     def bare_connect(self, host, port):
-        self.bare.connect("p0", host, port)
+        self.bare.connect("p0", (host, port))
 
     def bare_recv(self, nbytes: int, exporter) -> float:
         buf = getattr(self, "_buf", None)

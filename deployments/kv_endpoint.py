@@ -2,8 +2,9 @@
 
     decode actor (KVImporter.pull)                      prefill actor (KVExporter, via KVExportMixin)
     first pull from this exporter only:
-      ray.get(exporter.kv_open_channel(me)) ----------->  TCPStore + gloo rank 0 -> (node ip, port)
-      connect gloo rank 1  <------- rendezvous ------->
+      ray.get(exporter.kv_open_channel(me)) ----------->  listen: gloo rank 0 (TCPStore) -> (node ip, port)
+                                                           or NCCL rank 0 -> unique id
+      connect rank 1  <------------ rendezvous ------->
     allocate blocks (ReceiverOutOfBlocksError)
     lock channel; exporter.kv_push(handle, me) -------->  pin lease, send header + blocks, wait ack
     receive, check header, unpack, ack  --------------->  release_prefilled(request) on ack
@@ -44,8 +45,7 @@ import ray
 
 from engine import LLMEngine, RequestOutput
 from kv_transfer import (KVHandle, KVLayout, KVReceiver, KVSender, KVTransferError, LeaseTable, PeerDiedError,
-                         TransferTimeoutError)
-from kv_transfer.gloo import GlooTransport
+                         TransferTimeoutError, make_transport)
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,9 @@ class KVExporter:
                  timeout_s: float = 30.0, host: str | None = None):
         self.worker_id = worker_id
         self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
-        self.transport = GlooTransport(_node_ip(host), timeout_s)
         kv_cache = engine.runner.kv_cache
+        # gloo for a CPU cache, NCCL for a CUDA one (kv_transfer.make_transport)
+        self.transport = make_transport(kv_cache.device, _node_ip(host), timeout_s)
         self.leases = LeaseTable(worker_id, KVLayout.of(kv_cache), self._release_blocks, lease_s)
         self.sender = KVSender(self.transport, kv_cache, self.leases, timeout_s)
 
@@ -80,8 +81,9 @@ class KVExporter:
         assert output.finish_reason == "prefilled" and output.block_ids is not None, output.finish_reason
         return self.leases.grant(output.request_id, output.block_ids, num_prompt_tokens, output.token_ids[0], lease_s)
 
-    def open_channel(self, peer_id: str) -> tuple[str, int]:
-        """Host a fresh channel to decode worker `peer_id`; returns the (node ip, port) it connects to."""
+    def open_channel(self, peer_id: str) -> Any:
+        """Host a fresh channel to decode worker `peer_id`; returns the address it connects to
+        ((node ip, port) for gloo, the unique id for NCCL)."""
         return self.transport.listen(peer_id)
 
     def push(self, handle: KVHandle, peer_id: str) -> None:
@@ -111,7 +113,7 @@ class KVExportMixin:
 
     kv_exporter: KVExporter
 
-    def kv_open_channel(self, peer_id: str) -> tuple[str, int]:
+    def kv_open_channel(self, peer_id: str) -> Any:
         return self.kv_exporter.open_channel(peer_id)
 
     def kv_push(self, handle: KVHandle, peer_id: str) -> None:
@@ -130,7 +132,7 @@ class KVImporter:
         self.worker_id = worker_id
         self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
         self.timeout_s = timeout_s
-        self.transport = GlooTransport(_node_ip(host), timeout_s)
+        self.transport = make_transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s)
         self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s)
         self._open_locks: dict[str, threading.Lock] = {}
         self._open_locks_lock = threading.Lock()
@@ -150,12 +152,12 @@ class KVImporter:
             if self.transport.has_channel(peer):
                 return
             try:
-                host, port = ray.get(exporter.kv_open_channel.remote(self.worker_id), timeout=timeout_s)
+                address = ray.get(exporter.kv_open_channel.remote(self.worker_id), timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
                 raise TransferTimeoutError(f"{peer} did not open a KV channel in {timeout_s:.1f}s") from None
             except ray.exceptions.RayActorError as e:
                 raise PeerDiedError(f"{peer} died before opening a KV channel: {e}") from None
-            self.transport.connect(peer, host, port)
+            self.transport.connect(peer, address)
 
     def pull(self, handle: KVHandle, exporter: ray.actor.ActorHandle, timeout_s: float | None = None) -> list[int]:
         """Fetch `handle`'s KV into newly allocated blocks of this engine and return their ids.

@@ -4,7 +4,7 @@ Not torch's process-wide default group (nor `ray.util.collective`, which uses it
 any number of pairs at once, and pairs come and go with scaling.
 
     exporter (rank 0)                         importer (rank 1)
-    listen(peer) -> (host, port) ---------->  connect(peer, host, port)
+    listen(peer) -> (host, port) ---------->  connect(peer, (host, port))
       TCPStore(is_master, port 0)               TCPStore(client)
       ProcessGroupGloo(rank 0)  <-- rendezvous --> ProcessGroupGloo(rank 1)
       (in a thread: it blocks until the peer joins)
@@ -131,8 +131,10 @@ class GlooTransport(Transport):
         self._add(ch)
         return self.host, store.port
 
-    def connect(self, peer: str, host: str, port: int) -> None:
-        """Join the channel `peer` is hosting at (host, port) as rank 1; blocks until it is formed."""
+    def connect(self, peer: str, address: tuple[str, int]) -> None:
+        """Join the channel `peer` is hosting at `address` = (host, port), as rank 1; blocks until it
+        is formed."""
+        host, port = address
         try:
             store = dist.TCPStore(host, port, 2, False, timeout=_td(self.timeout_s))
         except Exception as e:

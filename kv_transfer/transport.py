@@ -2,6 +2,9 @@
 
 Backends: `InProcTransport` (queues; unit tests), `GlooTransport` (CPU, kv_transfer.gloo),
 `NcclTransport` (GPU, kv_transfer.nccl). The protocol (kv_transfer.protocol) only uses what is here.
+Gloo and NCCL open channels the same way: the exporting side `listen(peer)` returns an opaque,
+picklable address, the importing side `connect(peer, address)`; `make_transport` picks the backend
+from the device the KV cache lives on.
 """
 
 from __future__ import annotations
@@ -194,3 +197,20 @@ class InProcTransport(Transport):
     def connect(self, peer: str) -> None:
         if not self.has_channel(peer):
             self._add(_InProcChannel(self.hub, self.name, peer))
+
+
+def make_transport(device: torch.device | str, host: str, timeout_s: float = 30.0) -> Transport:
+    """The transport for a KV cache on `device`: NCCL for CUDA tensors, gloo for CPU tensors.
+
+    `host` is this node's address as peers reach it (gloo binds its store there; NCCL ignores it).
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        from kv_transfer.nccl import NcclTransport
+
+        return NcclTransport(device, timeout_s)
+    if device.type == "cpu":
+        from kv_transfer.gloo import GlooTransport
+
+        return GlooTransport(host, timeout_s)
+    raise ValueError(f"no KV transport for device type {device.type!r} (cpu: gloo, cuda: nccl)")
