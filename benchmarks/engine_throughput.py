@@ -317,7 +317,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--kv-cache-mb", type=int, default=512)
+    p.add_argument("--kv-cache-mb", type=int, default=2048)
     p.add_argument("--max-wait-s", type=float, default=0.05)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma list of our batching policies")
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size (default: max-num-seqs)")

@@ -25,7 +25,7 @@ class ServeConfig:
     device: str = "cpu"
     dtype: str = "float32"
     block_size: int = 16
-    kv_cache_memory_mb: int = 512
+    kv_cache_memory_mb: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None

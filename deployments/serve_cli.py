@@ -20,7 +20,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--worker-num-gpus", type=float, default=0.0, help="1 on a GPU cluster")
     s.add_argument("--device", default="cpu", help="torch device of the workers (cuda on GPU nodes)")
     s.add_argument("--dtype", default="float32")
-    s.add_argument("--kv-cache-memory-mb", type=int, default=512)
+    s.add_argument("--kv-cache-memory-mb", type=int, default=2048)
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-num-batched-tokens", type=int, default=1024)
     s.add_argument("--max-model-len", type=int, default=None)

@@ -1,7 +1,13 @@
 """Attention over packed variable-length batches, reading paged KV through block tables.
 
-On CPU this gathers a sequence's blocks and calls torch SDPA; a GPU build can swap in a paged kernel
-behind the same `AttentionMetadata`.
+Decode tokens are attended in a few length buckets: each bucket gathers its sequences' blocks into a
+reused workspace (`KVWorkspace`) and runs one SDPA call with the query heads grouped by KV head, so
+GQA needs no copy of the keys per query head. Prefill chunks run one SDPA call each. A GPU build can
+swap in a paged kernel behind the same `AttentionMetadata`.
+
+NOTE: on CPU the gather dominated decode: a fresh tensor per layer costs its page faults every time
+(~10x the copy itself), and padding every sequence to the longest in the batch gathers up to twice
+the KV that is needed. The workspace and the buckets remove both.
 """
 
 from __future__ import annotations
@@ -10,6 +16,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# Decode sequences are sorted by context length and cut into buckets of at least this many, at most
+# DECODE_BUCKETS buckets: padding waste goes down, SDPA calls stay few.
+MIN_BUCKET_SEQS = 16
+DECODE_BUCKETS = 4
 
 
 @dataclass(slots=True)
@@ -21,16 +32,65 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class DecodeBucket:
+    """Single-token rows (decode) of similar context length, attended in one SDPA call."""
+
+    rows: torch.Tensor  # [n] packed-row index of each decode token
+    blocks: torch.Tensor  # [n * num_blocks] block ids, row-major, padded with block 0
+    num_blocks: int  # blocks per sequence after padding
+    mask: torch.Tensor | None  # [n, 1, 1, num_blocks * block_size] True = attend; None: attend all
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Built by the model runner once per step; read by every layer."""
 
     slot_mapping: torch.Tensor  # [T] flat slot of each new token: block * block_size + offset
-    # Single-token rows (decode), attended in one padded SDPA call.
-    decode_rows: torch.Tensor | None  # [Bd] packed-row index of each decode token
-    decode_block_tables: torch.Tensor | None  # [Bd, max_blocks] (padded with block 0)
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] True = attend
-    # Multi-token chunks (prefill), one SDPA call each.
-    prefills: list[PrefillSeq]
+    decode: list[DecodeBucket]
+    prefills: list[PrefillSeq]  # multi-token chunks, one SDPA call each
+
+
+def decode_buckets(rows: list[int], tables: list[list[int]], lens: list[int], block_size: int,
+                   device: torch.device) -> list[DecodeBucket]:
+    """Group decode rows (context `lens[i]` tokens in blocks `tables[i]`) into length buckets."""
+    order = sorted(range(len(rows)), key=lambda i: lens[i])
+    per = max(MIN_BUCKET_SEQS, -(-len(order) // DECODE_BUCKETS))
+    out = []
+    for s in range(0, len(order), per):
+        idx = order[s:s + per]
+        nb = -(-max(lens[i] for i in idx) // block_size)
+        flat = []
+        for i in idx:
+            t = tables[i][:-(-lens[i] // block_size)]
+            flat.extend(t)
+            flat.extend([0] * (nb - len(t)))
+        blens = torch.tensor([lens[i] for i in idx])
+        mask = None
+        if int(blens.min()) < nb * block_size:
+            mask = (torch.arange(nb * block_size).unsqueeze(0) < blens.unsqueeze(1))[:, None, None, :].to(device)
+        out.append(DecodeBucket(torch.tensor([rows[i] for i in idx], dtype=torch.long, device=device),
+                                torch.tensor(flat, dtype=torch.long, device=device), nb, mask))
+    return out
+
+
+class KVWorkspace:
+    """Reused buffers that gathered KV blocks land in (one for keys, one for values), grown as needed."""
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor | None] = [None, None]
+
+    def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
+        """`cache[block_ids]` ([n, *block shape]) written into workspace buffer `which`; valid until the
+        next gather into the same buffer."""
+        flat = cache.view(cache.shape[0], -1)
+        n, width = block_ids.numel(), flat.shape[1]
+        buf = self._bufs[which]
+        if buf is None or buf.numel() < n * width or buf.dtype != flat.dtype or buf.device != flat.device:
+            buf = torch.empty(max(n * width, 1 << 16), dtype=flat.dtype, device=flat.device)
+            self._bufs[which] = buf
+        out = buf[:n * width].view(n, width)
+        torch.index_select(flat, 0, block_ids, out=out)
+        return out.view(n, *cache.shape[1:])
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -41,20 +101,24 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    workspace: KVWorkspace | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: this step's new keys/values [T, kv_heads, head_dim] (already
     written to the cache). Returns [T, heads, head_dim]."""
+    ws = workspace or KVWorkspace()
     out = torch.empty_like(q)
+    num_heads = q.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if meta.decode_rows is not None:
-        bt = meta.decode_block_tables
-        bd = bt.shape[0]
-        keys = k_cache[bt].view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[bt].view(bd, -1, num_kv_heads, head_dim).transpose(1, 2)
-        qd = q[meta.decode_rows].unsqueeze(2)  # [Bd, heads, 1, head_dim]
-        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask, scale=scale,
-                                           enable_gqa=True)
-        out[meta.decode_rows] = o.squeeze(2)
+    group = num_heads // num_kv_heads
+    for b in meta.decode:
+        n = b.rows.numel()
+        ctx = b.num_blocks * k_cache.shape[1]
+        keys = ws.gather(k_cache, b.blocks, 0).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        values = ws.gather(v_cache, b.blocks, 1).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        # HF's GQA: query head h reads KV head h // group, so [heads] -> [kv_heads, group] is a view.
+        qd = q[b.rows].view(n, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=b.mask, scale=scale)
+        out[b.rows] = o.reshape(n, num_heads, head_dim)
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
         n = p.end - p.start
@@ -64,8 +128,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             ctx = p.num_computed + n
-            ks = k_cache[p.block_table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
-            vs = v_cache[p.block_table].view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+            ks = ws.gather(k_cache, p.block_table, 0).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+            vs = ws.gather(v_cache, p.block_table, 1).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
             qpos = torch.arange(p.num_computed, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)

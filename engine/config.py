@@ -25,7 +25,7 @@ class EngineConfig:
     block_size: int = 16
     # Either a fixed number of KV blocks or a memory budget for the KV cache.
     num_kv_blocks: int | None = None
-    kv_cache_memory_mb: int = 512
+    kv_cache_memory_mb: int = 2048
     max_num_seqs: int = 64
     # Token budget per step (prefill chunks + decode tokens).
     max_num_batched_tokens: int = 1024

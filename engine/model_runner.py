@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, PrefillSeq, paged_attention, write_kv
+from engine.attention import AttentionMetadata, KVWorkspace, PrefillSeq, decode_buckets, paged_attention, write_kv
 from engine.scheduler import SchedulerOutput
 
 
@@ -45,6 +45,7 @@ class ModelRunner:
         self.rotary_emb = inner.rotary_emb
         self.lm_head = hf_model.lm_head
         self.scale = self.layers[0].self_attn.scaling
+        self.workspace = KVWorkspace()  # gathered KV blocks land here, reused by every layer and step
         self._fuse_projections()
 
     @torch.no_grad()
@@ -124,19 +125,9 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decode_rows=None, decode_block_tables=None, decode_mask=None, prefills=prefills,
+            decode=decode_buckets(decode_rows, decode_tables, decode_lens, bs, dev) if decode_rows else [],
+            prefills=prefills,
         )
-        if decode_rows:
-            max_blocks = max(-(-n // bs) for n in decode_lens)
-            tables = torch.zeros(len(decode_rows), max_blocks, dtype=torch.long)
-            for i, t in enumerate(decode_tables):
-                nb = -(-decode_lens[i] // bs)
-                tables[i, :nb] = torch.tensor(t[:nb], dtype=torch.long)
-            lens = torch.tensor(decode_lens)
-            mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
-            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-            meta.decode_block_tables = tables.to(dev)
-            meta.decode_mask = mask[:, None, None, :].to(dev)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long, device=dev)
@@ -167,7 +158,7 @@ class ModelRunner:
             k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = self.kv_cache[li, 0], self.kv_cache[li, 1]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
             h = residual + attn.o_proj(o.reshape(num_tokens, -1))
             residual = h
             h = residual + self._mlp(li, layer, layer.post_attention_layernorm(h))
