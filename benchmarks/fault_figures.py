@@ -1,9 +1,9 @@
 """Figures for failures and scaling under a steady load on the CPU app (1 prefill + 2 decode workers):
 
-1. kill one decode worker mid-load: requests lost (target 0), the longest stall a client sees
+1. kill one decode worker mid-load (fixed pools): requests lost (target 0), the longest stall a client sees
    (target: < one re-prefill of the longest sequence + 1 s), and whether outputs equal an undisturbed
    run (greedy);
-2. a prefill burst: time from the burst to the scale-up decision, to the new worker being ready, and
+2. a prefill burst on a fresh app whose prefill pool may grow from 1 to 2: time from the burst to the scale-up decision, to the new worker being ready, and
    to it serving its first step.
 
     .venv/bin/python benchmarks/fault_figures.py [--num-requests 16 --rate 1.5 --kill-at 6]
@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -58,6 +59,7 @@ def reference(reqs, threads: int) -> tuple[list[list[int]], float]:
 async def steady_load_with_kill(backend, router, reqs, rate: float, kill_at: float, seed: int):
     rng = random.Random(seed)
     gaps: list[float] = [0.0] * len(reqs)
+    gap_at: list[float] = [0.0] * len(reqs)  # when the longest gap of each request began (s since start)
     errors: list[str | None] = [None] * len(reqs)
     t0 = time.monotonic()
 
@@ -68,8 +70,8 @@ async def steady_load_with_kill(backend, router, reqs, rate: float, kill_at: flo
             async for d in backend.generate(f"s{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                             ignore_eos=True)):
                 now = time.monotonic()
-                if d.token_ids and last is not None:
-                    gaps[i] = max(gaps[i], now - last)
+                if d.token_ids and last is not None and now - last > gaps[i]:
+                    gaps[i], gap_at[i] = now - last, last - t0
                 if d.token_ids:
                     last = now
                 if d.finish_reason == "error":
@@ -90,7 +92,7 @@ async def steady_load_with_kill(backend, router, reqs, rate: float, kill_at: flo
     ray.kill(workers[victim])
     killed_at = time.monotonic() - t0
     outs = await asyncio.wait_for(asyncio.gather(*tasks), 900)
-    return outs, gaps, errors, victim, killed_at
+    return outs, gaps, gap_at, errors, victim, killed_at
 
 
 async def burst(backend, router, n: int, prompt_len: int):
@@ -137,14 +139,15 @@ def main(argv=None) -> int:
     want, reprefill_s = reference(reqs, threads=1)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-figures")
     try:
-        cfg = ServeConfig(num_prefill_workers=1, prefill_max_workers=2, num_decode_workers=2,
-                          prefill_target_queued_tokens=1024, upscale_delay_s=1.0, downscale_delay_s=30.0,
-                          health_check_timeout_s=5.0, kv_cache_memory_mb=128)
+        # Phase 1 runs fixed pools (1 prefill + 2 decode), so the stall measures recovery alone and not
+        # a prefill scale-up that happens to start at the same time; phase 2 gets a fresh app that scales.
+        cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, health_check_timeout_s=5.0,
+                          kv_cache_memory_mb=128)
         router = get_or_create_router(cfg)
         ray.get(router.wait_ready.remote(600), timeout=700)
         backend = RouterBackend(router, StreamHub.remote(), "hub-figures", request_timeout_s=300)
         print("steady load, killing a decode worker ...", flush=True)
-        outs, gaps, errors, victim, killed_at = asyncio.run(
+        outs, gaps, gap_at, errors, victim, killed_at = asyncio.run(
             steady_load_with_kill(backend, router, reqs, args.rate, args.kill_at, args.seed))
         stats = ray.get(router.stats.remote())
         lost = sum(1 for o, (_, m), e in zip(outs, reqs, errors) if e or len(o) != m)
@@ -156,7 +159,19 @@ def main(argv=None) -> int:
               f"re-prefill of the longest sequence ({max(len(p) + m for p, m in reqs)} tokens, 1 thread): "
               f"{reprefill_s:.2f}s -> target < {reprefill_s + 1:.2f}s: "
               f"{'met' if max(gaps) < reprefill_s + 1 else 'MISSED'}")
-        print("\nprefill burst ...", flush=True)
+        for i, (o, (_, m), e, w) in enumerate(zip(outs, reqs, errors, want)):
+            if e or len(o) != m or o != w or gaps[i] > 1.0:
+                print(f"  request {i}: {len(o)}/{m} tokens, identical={o == w}, longest gap {gaps[i]:.2f}s "
+                      f"from t={gap_at[i]:.1f}s, error={e}")
+        print("  router decisions:", [(round(d['time'] - time.time(), 1), d['pool'], d['action'], d['reason'])
+                                      for d in stats['decisions']])
+        print("\nprefill burst (fresh app: 1 prefill worker, may scale to 2) ...", flush=True)
+        shutdown_router()
+        cfg = replace(cfg, prefill_max_workers=2, prefill_target_queued_tokens=1024, upscale_delay_s=1.0,
+                      downscale_delay_s=30.0)
+        router = get_or_create_router(cfg)
+        ray.get(router.wait_ready.remote(600), timeout=700)
+        backend = RouterBackend(router, StreamHub.remote(), "hub-burst", request_timeout_s=300)
         decided, ready, serving = asyncio.run(burst(backend, router, 16, 400))
         f = lambda x: "-" if x is None else f"{x:.1f}s"  # noqa: E731
         print(f"\n== burst of 16 x 400-token prompts: scale-up decided after {f(decided)}, new prefill worker "

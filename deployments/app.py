@@ -7,6 +7,7 @@ it checks the whole config up front and says what to fix.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -15,7 +16,7 @@ from ray import serve
 
 from deployments.config import ServeConfig
 from deployments.ingress import build_openai_app
-from deployments.router import RouterActor
+from deployments.router import WORKER_PREFIX, RouterActor
 from deployments.router_backend import RouterBackend
 from deployments.stream_hub import StreamHub
 
@@ -41,6 +42,14 @@ def shutdown_router(timeout_s: float = 30.0) -> None:
     except Exception:  # noqa: BLE001 - it may be dead already
         pass
     ray.kill(router)
+    # The names go once the GCS has buried the actors; a router created before that would find the
+    # old one (get_if_exists) or adopt the dead workers.
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE}
+        if not any(n == ROUTER_NAME or n.startswith(WORKER_PREFIX) for n in names):
+            return
+        time.sleep(0.1)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)

@@ -36,6 +36,7 @@ number of decode peers, since `kv_push` blocks for the duration of a transfer):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -64,7 +65,8 @@ class KVExporter:
     def __init__(self, worker_id: str, engine: LLMEngine, *, engine_lock: Any = None, lease_s: float = 30.0,
                  timeout_s: float = 30.0, host: str | None = None):
         self.worker_id = worker_id
-        self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
+        self._engine, self._lock = engine, engine_lock or threading.RLock()
+        self._ended: collections.deque[str] = collections.deque()  # leases ended, blocks not yet freed
         kv_cache = engine.runner.kv_cache
         # gloo for a CPU cache, NCCL for a CUDA one (kv_transfer.make_transport)
         self.transport = make_transport(kv_cache.device, _node_ip(host), timeout_s)
@@ -72,8 +74,25 @@ class KVExporter:
         self.sender = KVSender(self.transport, kv_cache, self.leases, timeout_s)
 
     def _release_blocks(self, request_id: str) -> None:
-        with self._lock:
-            self._engine.release_prefilled(request_id)
+        # NOTE: never wait for the engine lock here: the prefill loop holds it for a whole step
+        # (seconds on a CPU), and the push that ends a lease must return at once, or the decode
+        # worker waiting on it admits the request a step late. The loop frees them after its step.
+        self._ended.append(request_id)
+        self.free_released(blocking=False)
+
+    def free_released(self, blocking: bool = True) -> int:
+        """Free the blocks of leases that ended (ack, failure, expiry). Non-blocking: if the engine is
+        busy, leave them for its loop, which calls this before every step. Returns how many."""
+        if not self._lock.acquire(blocking=blocking):
+            return 0
+        try:
+            n = 0
+            while self._ended:
+                self._engine.release_prefilled(self._ended.popleft())
+                n += 1
+            return n
+        finally:
+            self._lock.release()
 
     def grant(self, output: RequestOutput, num_prompt_tokens: int, lease_s: float | None = None) -> KVHandle:
         """Lease a request that finished with `finish_reason == "prefilled"`; give the handle to a decode
@@ -106,6 +125,7 @@ class KVExporter:
     def close(self) -> None:
         self.transport.close()
         self.leases.release_all()
+        self.free_released()
 
 
 class KVExportMixin:

@@ -84,7 +84,7 @@ class Router:
         self.unplaced: list[str] = []
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "aborted": 0, "retries": 0,
                          "migrations": 0, "transfer_failures": 0, "admitted": 0, "worker_deaths": 0,
-                         "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0}
+                         "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0, "rebalanced": 0}
         self.scale = {"prefill": _ScaleState(), "decode": _ScaleState()}
         self.decisions: deque[dict] = deque(maxlen=100)
         self._next_id = {"prefill": 0, "decode": 0}
@@ -174,8 +174,23 @@ class Router:
     async def _until_ready(self, w: _Worker) -> None:
         w.info = await w.actor.info.remote()
         w.ready, w.ready_at = True, time.time()
+        asyncio.get_event_loop().create_task(self._watch(w))
         self._flush_unplaced()
         self._admit()
+
+    async def _watch(self, w: _Worker) -> None:
+        """Notice a worker's death the moment Ray does (a call in flight on it fails), not at the next
+        ping: the sooner its sequences move, the shorter the stall their clients see."""
+        while self.pools[w.role].get(w.worker_id) is w:
+            try:
+                if await w.actor.watch.remote(300.0):
+                    return  # closed after a drain
+            except ray.exceptions.RayActorError as exc:
+                if self.pools[w.role].get(w.worker_id) is w:
+                    await self._on_worker_dead(w, repr(exc))
+                return
+            except Exception:  # noqa: BLE001 - e.g. a transient RPC error: the pings still watch it
+                await asyncio.sleep(1.0)
 
     async def wait_ready(self, timeout_s: float = 900.0) -> dict:
         """Blocks until the first workers loaded their model; returns what the ingress needs to know."""
@@ -269,6 +284,17 @@ class Router:
             blocks, running = w.report.num_free_blocks, w.report.num_running + w.report.num_waiting
         return blocks - w.reserved_blocks, self.config.max_num_seqs - running - w.reserved_seqs
 
+    def _pick_decode(self, need: int) -> _Worker | None:
+        """The ready decode worker with the most free blocks, if it has `need` blocks and a slot."""
+        best, best_free = None, -1
+        for w in self.decode.values():
+            if not w.ready or w.draining:
+                continue
+            free_blocks, free_seqs = self._free_capacity(w)
+            if free_seqs > 0 and free_blocks >= need and free_blocks > best_free:
+                best, best_free = w, free_blocks
+        return best
+
     def _admit(self) -> None:
         """Fill free decode capacity from the pending queue (priority, then arrival)."""
         if not self.pending_decode:
@@ -281,13 +307,7 @@ class Router:
             t = self.tracked[rid]
             # Room for the prompt plus a block of growth, so a new sequence does not preempt at once.
             need = -(-t.handle.num_tokens // self.config.block_size) + 1
-            best, best_free = None, -1
-            for w in self.decode.values():
-                if not w.ready or w.draining:
-                    continue
-                free_blocks, free_seqs = self._free_capacity(w)
-                if free_seqs > 0 and free_blocks >= need and free_blocks > best_free:
-                    best, best_free = w, free_blocks
+            best = self._pick_decode(need)
             prefill = self.prefill.get(t.prefill_worker_id or "")
             if best is None or prefill is None:
                 still.append(rid)
@@ -323,6 +343,9 @@ class Router:
 
     async def _requeue(self, t: _Tracked, why: str, counter: str) -> None:
         """Prefill again from the prompt plus every token the client already has, then decode on."""
+        if t.stage == "requeueing":  # the death watch and a failed call may both report it
+            return
+        t.stage = "requeueing"
         req = t.req
         rid = req.request_id
         if req.attempt + 1 >= MAX_ATTEMPTS:
@@ -347,7 +370,41 @@ class Router:
         params = replace(t.params, max_tokens=remaining, min_tokens=max(0, t.params.min_tokens - n))
         t.req = replace(req, prompt_token_ids=prompt, params=params, offset=n, attempt=req.attempt + 1)
         t.handle = None
+        if counter == "migrations" and self._resume_on_decode(t):
+            return
         self._place_prefill(rid)
+
+    def _resume_on_decode(self, t: _Tracked) -> bool:
+        """Move a sequence of a dead decode worker straight to a live one, which recomputes its KV in
+        its running batch. The prefill pool may be a full step (seconds on a CPU) and a queue of new
+        prompts away; this way the client's stall is about one chunked prefill of its sequence."""
+        need = -(-len(t.req.prompt_token_ids) // self.config.block_size) + 1
+        w = self._pick_decode(need)
+        if w is None:
+            return False
+        w.reserved_blocks += need
+        w.reserved_seqs += 1
+        t.stage, t.worker_id, t.prefill_worker_id = "admitting", w.worker_id, None
+        ref = w.actor.resume.remote(t.req)
+        asyncio.get_event_loop().create_task(self._resumed(t, w, need, ref))
+        return True
+
+    async def _resumed(self, t: _Tracked, w: _Worker, need: int, ref) -> None:
+        try:
+            ok = await asyncio.wait_for(ref, 30)
+        except Exception as exc:  # noqa: BLE001 - it died too: the death watch moves it again
+            logger.warning("resume of %s on %s failed: %r", t.req.request_id, w.worker_id, exc)
+            ok = None
+        w.reserved_blocks -= need
+        w.reserved_seqs -= 1
+        if self.tracked.get(t.req.request_id) is not t or t.stage != "admitting" or t.worker_id != w.worker_id:
+            return
+        if ok:
+            t.stage = "decode"
+        elif ok is None:
+            await self._requeue(t, f"resume on {w.worker_id} failed", "migrations")
+        else:
+            self._place_prefill(t.req.request_id)
 
     def _fail(self, t: _Tracked, message: str) -> None:
         self.tracked.pop(t.req.request_id, None)
@@ -479,6 +536,38 @@ class Router:
                     self.counters["scale_downs"] += 1
                     st.signal_dir, st.signal_since = 0, now
             await self._finish_drains()
+            await self._rebalance_prefill()
+
+    async def _rebalance_prefill(self) -> None:
+        """Requests are placed on a prefill worker when they arrive; when one worker's queue runs more
+        than two steps ahead of another's (a worker just joined after a burst, or one is draining),
+        move not-yet-started requests from the longest queue to the shortest."""
+        ready = [w for w in self.prefill.values() if w.ready]
+        takers = [w for w in ready if not w.draining]
+        if len(ready) < 2 or not takers:
+            return
+        src = max(ready, key=lambda w: (w.draining, w.queued_prompt_tokens))
+        dst = min(takers, key=lambda w: w.queued_prompt_tokens)
+        gap = src.queued_prompt_tokens - dst.queued_prompt_tokens
+        if src is dst or (gap <= 2 * self.config.max_num_batched_tokens and not (src.draining and src.queued_prompt_tokens)):
+            return
+        try:
+            reqs = await asyncio.wait_for(src.actor.release_queued.remote(max(1, gap // 2)), 10)
+        except Exception:  # noqa: BLE001 - dead or busy: the monitor deals with it
+            return
+        moved = 0
+        for req in reqs:
+            t = self.tracked.get(req.request_id)
+            if t is None or t.stage != "prefill" or t.worker_id != src.worker_id:
+                continue  # aborted meanwhile
+            self._prefill_done(t)
+            dst.queued_prompt_tokens += len(t.req.prompt_token_ids)
+            t.worker_id = t.prefill_worker_id = dst.worker_id
+            dst.actor.add.remote(t.req)
+            moved += 1
+        if moved:
+            self.counters["rebalanced"] += moved
+            logger.info("moved %d queued prompts from %s to %s", moved, src.worker_id, dst.worker_id)
 
     def _load(self, w: _Worker) -> int:
         return sum(1 for t in self.tracked.values() if w.worker_id in (t.worker_id, t.prefill_worker_id))

@@ -38,6 +38,7 @@ class _EngineWorker:
         self.engine = LLMEngine(config.engine_config())
         self.lock = threading.RLock()
         self._wake = threading.Event()
+        self._closed = threading.Event()
         self._alive = True
         self.requests: dict[str, GenRequest] = {}
         self.num_steps = 0
@@ -66,6 +67,7 @@ class _EngineWorker:
     def check_integrity(self) -> dict:
         """Runs the block manager's integrity check; returns block use for the caller's assertions."""
         with self.lock:
+            self._before_step()
             self.engine.check_integrity()
             bm = self.engine.block_manager
             return {"num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
@@ -74,13 +76,23 @@ class _EngineWorker:
     def shutdown(self) -> None:
         self._alive = False
         self._wake.set()
+        self._closed.set()
 
     def num_requests(self) -> int:
         with self.lock:
             return len(self.requests)
 
+    def watch(self, timeout_s: float = 300.0) -> bool:
+        """Returns True when this worker shuts down, False after `timeout_s`. The router keeps one call
+        in flight per worker: if the process dies the call fails at once, so the death is noticed
+        without waiting for a ping."""
+        return self._closed.wait(timeout_s)
+
     # ------------------------------------------------------------------ loop
     def _idle(self) -> None:
+        pass
+
+    def _before_step(self) -> None:
         pass
 
     def _loop(self) -> None:
@@ -96,6 +108,7 @@ class _EngineWorker:
                 continue
             try:
                 with self.lock:
+                    self._before_step()
                     outs = self.engine.step()
                     stats = self.engine.last_step
                     metrics.record_step(self.role, self.worker_id, stats, self.engine)
@@ -158,8 +171,11 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
     def add(self, req: GenRequest) -> None:
         try:
             with self.lock:
+                self._forget(req.request_id)
+                # A resumed request keeps its place: it queues by when the client sent it.
+                arrival = time.monotonic() - max(0.0, time.time() - req.arrival_time) if req.arrival_time else None
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
-                                        prefill_only=True)
+                                        prefill_only=True, arrival_time=arrival)
                 self.requests[req.request_id] = req
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
@@ -167,12 +183,42 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
             return
         self._wake.set()
 
+    def _forget(self, request_id: str) -> None:
+        """Drop what an earlier attempt of `request_id` left here (caller holds the lock): the router
+        re-prefills a request whose transfer failed or whose decode worker died, possibly on this
+        worker while the old lease (and its blocks) still lives."""
+        if self.kv_exporter.leases.release(request_id):
+            self.leased.pop(request_id, None)
+        self.kv_exporter.free_released()
+        if request_id in self.requests:
+            self.requests.pop(request_id)
+            self.engine.abort(request_id)
+
+    def _before_step(self) -> None:
+        self.kv_exporter.free_released()
+
+    def release_queued(self, max_tokens: int) -> list[GenRequest]:
+        """Give back the newest requests whose prefill has not started, up to `max_tokens` prompt
+        tokens, so the router can move them to a less loaded (e.g. just added) worker."""
+        out, total = [], 0
+        with self.lock:
+            for r in reversed(list(self.engine.scheduler.waiting)):
+                if r.num_computed_tokens or r.request_id not in self.requests:
+                    continue
+                if total + r.num_prompt_tokens > max_tokens:
+                    break
+                self.engine.abort(r.request_id)
+                out.append(self.requests.pop(r.request_id))
+                total += r.num_prompt_tokens
+        return out
+
     def queued_prompt_tokens(self) -> int:
         with self.lock:
             return sum(len(r.prompt_token_ids) for r in self.requests.values())
 
     def _idle(self) -> None:
         self.kv_exporter.reap_expired()
+        self.kv_exporter.free_released()
         with self.lock:
             if len(self.leased) > len(self.kv_exporter.leases):
                 self.leased = {rid: v for rid, v in self.leased.items() if rid in self.kv_exporter.leases}
@@ -235,6 +281,23 @@ class DecodeWorker(_EngineWorker):
                 return True
             self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token], req.params,
                                               block_ids, handle.num_tokens, priority=req.priority)
+            self.requests[req.request_id] = req
+        self._wake.set()
+        return True
+
+    def resume(self, req: GenRequest) -> bool:
+        """Take over a sequence whose decode worker died, recomputing its KV here (prompt plus every
+        token the client already has) in this worker's own continuous batch: chunked prefill mixed
+        with the running decodes, so it neither queues behind new prompts on the prefill pool nor
+        waits for a transfer. False if this engine refuses it (the router then goes through prefill)."""
+        with self.lock:
+            self._aborted.discard(req.request_id)
+            try:
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
+                                        arrival_time=time.monotonic() - max(0.0, time.time() - req.arrival_time))
+            except ValueError:
+                logger.warning("%s: cannot resume %s here", self.worker_id, req.request_id, exc_info=True)
+                return False
             self.requests[req.request_id] = req
         self._wake.set()
         return True

@@ -115,14 +115,18 @@ class LLMEngine:
         return torch.Generator().manual_seed(seed)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    priority: int = 0, prefill_only: bool = False) -> None:
+                    priority: int = 0, prefill_only: bool = False, arrival_time: float | None = None) -> None:
         """Queue a request. `prefill_only`: stop after the first token and keep the KV blocks for
-        export (disaggregated prefill); release them with `release_prefilled`."""
+        export (disaggregated prefill); release them with `release_prefilled`. Within a priority,
+        requests run in order of `arrival_time` (`time.monotonic()` clock; default now): a request
+        that arrived earlier elsewhere, e.g. one resumed after its worker died, goes ahead."""
         params = params if params is not None else SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         self._validate(request_id, prompt_ids, params)
         req = Request(request_id, prompt_ids, params, priority=priority, prefill_only=prefill_only,
                       generator=self._new_generator(params))
+        if arrival_time is not None:
+            req.arrival_time = min(arrival_time, req.arrival_time)
         self._requests[request_id] = req
         self.scheduler.add(req)
 

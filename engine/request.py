@@ -68,8 +68,8 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrival_time, self.arrival_seq)
 
 
 @dataclass(slots=True)

@@ -58,12 +58,16 @@ def test_placement_and_prefill_burst_scales_up_and_down(fake_cluster):
 
     t0 = time.time()
     outs = asyncio.run(burst())
+    t_done = time.time()
     assert all(len(o) == 4 for o in outs)  # nothing lost
     stats = ray.get(router.stats.remote())
     ups = [d for d in stats["decisions"] if d["pool"] == "prefill" and d["action"] == "scale_up"]
     assert ups and ups[0]["to"] == 2, stats["decisions"]
     new = [w for w in stats["prefill"].values() if w["created_at"] > t0]
     assert new and all(w["node_id"] == prefill_node for w in new)
+    if new[0]["ready_at"] and new[0]["ready_at"] < t_done - 6.0:
+        # It joined while the burst still queued on the first worker: queued prompts moved to it.
+        assert stats["counters"]["rebalanced"] > 0, (stats["counters"], new[0]["ready_at"] - t0, t_done - t0)
 
     deadline = time.time() + 60  # the burst is over: back down to one worker, after draining
     while True:

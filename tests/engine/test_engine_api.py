@@ -188,6 +188,22 @@ def test_priority_runs_first(tiny_model_dir):
     assert order == ["high", "low"]
 
 
+def test_earlier_arrival_runs_first_within_a_priority(tiny_model_dir):
+    """A request resumed after its worker died carries its first arrival: it goes ahead of newer ones."""
+    import time
+
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_num_seqs=1))
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    eng.add_request("new", [3, 4], sp)
+    eng.add_request("resumed", [3, 4, 5], sp, arrival_time=time.monotonic() - 10.0)
+    eng.add_request("urgent", [3, 4], sp, priority=-1)
+    order = []
+    while eng.has_unfinished_requests():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["urgent", "resumed", "new"]
+    eng.check_integrity()
+
+
 def test_default_model_chat_answers_paris():
     llm = LLM(num_kv_blocks=64)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=20, temperature=0))[0]
