@@ -156,10 +156,11 @@ class KVImporter:
         self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s)
         self._open_locks: dict[str, threading.Lock] = {}
         self._open_locks_lock = threading.Lock()
+        self._pushes: list[tuple[ray.ObjectRef, str]] = []  # acked pushes whose return is not yet seen
 
     def _allocate(self, num_tokens: int) -> list[int] | None:
         with self._lock:
-            return self._engine.allocate_blocks(num_tokens)
+            return self._engine.allocate_blocks(num_tokens, contiguous=True)
 
     def _free(self, block_ids: list[int]) -> None:
         with self._lock:
@@ -183,10 +184,12 @@ class KVImporter:
         """Fetch `handle`'s KV into newly allocated blocks of this engine and return their ids.
 
         `exporter` is the actor (with `KVExportMixin`) named by `handle.worker_id`. When this returns
-        the exporter has freed its copy; hand the ids to `engine.add_prefilled_request`. Raises a
+        the exporter has our ack and frees its copy on its own; hand the ids to
+        `engine.add_prefilled_request`. Raises a
         `KVTransferError` subclass, with nothing held on either side, if the request must be re-prefilled.
         """
         timeout_s = timeout_s or self.timeout_s
+        self._reap_pushes()
         push_ref: list[ray.ObjectRef] = []
 
         def start_push() -> None:
@@ -206,11 +209,28 @@ class KVImporter:
             if push_ref and self._actor_died(push_ref[0]):
                 raise PeerDiedError(f"{handle.worker_id} died while sending {handle.request_id!r}") from e
             raise
-        try:  # returns right after our ack; waiting makes "exporter freed its blocks" hold on return
-            ray.get(push_ref[0], timeout=timeout_s)
-        except Exception:
-            logger.warning("exporter %s failed after acking %s", handle.worker_id, handle.request_id, exc_info=True)
+        # NOTE: not waiting for the push to return: that is one more Ray round trip on the admission
+        # path, and the exporter frees its copy on our ack by itself. Its result is only logged.
+        with self._open_locks_lock:
+            self._pushes.append((push_ref[0], handle.request_id))
         return block_ids
+
+    def _reap_pushes(self) -> None:
+        with self._open_locks_lock:
+            pushes, self._pushes = self._pushes, []
+        if not pushes:
+            return
+        done, _ = ray.wait([r for r, _ in pushes], num_returns=len(pushes), timeout=0)
+        done = set(done)
+        for ref, rid in pushes:
+            if ref not in done:
+                with self._open_locks_lock:
+                    self._pushes.append((ref, rid))
+                continue
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - after our ack: the KV is here, the request goes on
+                logger.warning("exporter failed after acking %s", rid, exc_info=True)
 
     @staticmethod
     def _actor_died(ref: ray.ObjectRef) -> bool:
@@ -223,6 +243,7 @@ class KVImporter:
         return False
 
     def stats(self) -> dict[str, int]:
+        self._reap_pushes()
         r = self.receiver
         return {"num_received": r.num_received, "num_failed": r.num_failed, "bytes_received": r.bytes_received}
 

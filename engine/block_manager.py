@@ -46,6 +46,26 @@ class BlockManager:
             self._ref_counts[b] = 1
         return block_ids
 
+    def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` consecutive ids (ref count 1 each), the lowest such run, or None if the free
+        blocks hold no run that long. Imported KV lands in a run straight off the wire, with no
+        staging copy (kv_transfer.protocol)."""
+        if num_blocks > len(self._free):
+            return None
+        free = sorted(self._free)
+        start = 0
+        for i in range(1, len(free) + 1):
+            if i == len(free) or free[i] != free[i - 1] + 1:
+                if i - start >= num_blocks:
+                    chosen = free[start:start + num_blocks]
+                    taken = set(chosen)
+                    self._free = deque(b for b in self._free if b not in taken)
+                    for b in chosen:
+                        self._ref_counts[b] = 1
+                    return chosen
+                start = i
+        return None
+
     def incref(self, block_ids: list[int]) -> None:
         for b in block_ids:
             assert self._ref_counts[b] > 0, f"incref of free block {b}"

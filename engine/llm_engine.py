@@ -145,11 +145,16 @@ class LLMEngine:
     def prefilled_block_ids(self, request_id: str) -> list[int]:
         return list(self.scheduler.prefilled[request_id].block_table)
 
-    def allocate_blocks(self, num_tokens: int) -> list[int] | None:
-        """Blocks to receive `num_tokens` tokens of imported KV, or None if they are not free."""
+    def allocate_blocks(self, num_tokens: int, contiguous: bool = False) -> list[int] | None:
+        """Blocks to receive `num_tokens` tokens of imported KV, or None if they are not free.
+        `contiguous`: one run of consecutive ids if the pool has one (else any free blocks)."""
         n = self.block_manager.blocks_for_tokens(num_tokens)
         if not self.block_manager.can_allocate(n):
             return None
+        if contiguous:
+            run = self.block_manager.allocate_contiguous(n)
+            if run is not None:
+                return run
         return self.block_manager.allocate(n)
 
     def free_blocks(self, block_ids: list[int]) -> None:

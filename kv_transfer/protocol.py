@@ -1,15 +1,20 @@
-"""One request's KV over one channel: header, blocks in layer groups, acknowledgement.
+"""One request's KV over one channel: header, one message per (layer, K/V) plane, acknowledgement.
 
     sender (prefill, holds the lease)             receiver (decode)
                                                   allocate blocks (fail: ReceiverOutOfBlocksError)
                                                   lock channel, ask the sender to push
     lock channel, pin lease (fail: error header)
-    header [magic,status,req,epoch,nblk,ntok,ngrp,chk] ->  check it against the handle
-    pack group 0, send -------------------------->  recv group 0 --+
-    pack group 1, send  (overlaps group 0)  ------>  recv group 1   +-> unpack each group as it lands
-    ...                                               ...          -+
+    header [magic,status,req,epoch,nblk,ntok,nmsg,chk] ->  check it against the handle
+    plane (layer 0, K) -------------------------->  recv into the cache, or into staging
+    plane (layer 0, V) -------------------------->    then scattered a layer group at a time
+    ...  (2 x layers messages)                      ...
     wait ack <-------------------------------------- ack header [.., OK, req, epoch, ..]
     lease.ack -> free blocks                        blocks belong to the decode engine now
+
+A plane is `cache[layer, k|v, blocks]`: contiguous in the cache itself when a side's block ids are
+one run of consecutive ids. Then that side sends from (or receives into) its cache with no copy at
+all; otherwise it packs (or stages) a layer group at a time, overlapping the copy with the wire.
+Each side decides alone: the messages are the same either way.
 
 Any failure raises a typed error (kv_transfer.errors); the caller frees its side's blocks and drops
 the channel unless the error came cleanly from a status header (the stream is then still in step).
@@ -30,7 +35,7 @@ from kv_transfer.handle import KVHandle
 from kv_transfer.packing import layer_groups, pack_blocks, unpack_blocks
 from kv_transfer.transport import Channel
 
-MAGIC = 0x4B565846_0001  # "KVXF", protocol version 1
+MAGIC = 0x4B565846_0002  # "KVXF", protocol version 2 (one message per plane)
 HEADER_LEN = 8
 _MASK = (1 << 64) - 1
 
@@ -47,7 +52,7 @@ class Header(NamedTuple):
     epoch: int
     num_blocks: int
     num_tokens: int
-    num_groups: int
+    num_messages: int
 
 
 def _signed(x: int) -> int:
@@ -67,10 +72,10 @@ def _checksum(fields) -> int:
     return _signed(h)
 
 
-def encode_header(status: Status, handle: KVHandle, num_groups: int,
+def encode_header(status: Status, handle: KVHandle, num_messages: int,
                   device: torch.device | str = "cpu") -> torch.Tensor:
     fields = [MAGIC, int(status), request_hash(handle.request_id), handle.epoch, handle.num_blocks,
-              handle.num_tokens, num_groups]
+              handle.num_tokens, num_messages]
     # NOTE: on the cache's device: NCCL only moves GPU memory.
     return torch.tensor(fields + [_checksum(fields)], dtype=torch.int64, device=device)
 
@@ -113,6 +118,21 @@ def send_status(channel: Channel, handle: KVHandle, status: Status, timeout_s: f
     channel.isend(encode_header(status, handle, 0, device)).wait(timeout_s)
 
 
+def _run_start(block_ids) -> int | None:
+    """The first id if `block_ids` are consecutive (b, b+1, ...), else None."""
+    b0 = block_ids[0]
+    return b0 if all(b == b0 + i for i, b in enumerate(block_ids)) else None
+
+
+def _planes(kv: torch.Tensor) -> list[torch.Tensor]:
+    """The wire messages of a [layers, 2, blocks, ...] tensor, in order: (layer 0, K), (layer 0, V), ..."""
+    return [kv[layer, i] for layer in range(kv.shape[0]) for i in range(2)]
+
+
+def messages_for(handle: KVHandle) -> int:
+    return 2 * handle.layout.num_layers
+
+
 def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_s: float,
             group_bytes: int = 8 << 20) -> None:
     """Send `handle`'s blocks from `kv_cache` and wait for the receiver's acknowledgement.
@@ -120,14 +140,17 @@ def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_
     The caller holds `channel.lock` and has validated (and pinned) the lease.
     """
     deadline = _Deadline(timeout_s)
-    groups = layer_groups(handle.layout, handle.num_blocks, group_bytes)
-    channel.isend(encode_header(Status.OK, handle, len(groups), kv_cache.device)).wait(deadline.left())
-    buf = _staging(channel, handle, kv_cache.device)
-    sends = []
-    for g in groups:
-        pack_blocks(kv_cache, handle.block_ids, out=buf, layers=g)
-        # NOTE: gloo sends run on its own threads, so packing the next group overlaps this send.
-        sends.append(channel.isend(buf[g]))
+    channel.isend(encode_header(Status.OK, handle, messages_for(handle), kv_cache.device)).wait(deadline.left())
+    b0 = _run_start(handle.block_ids)
+    if b0 is not None:  # zero copy: the planes are slices of the cache
+        sends = [channel.isend(p) for p in _planes(kv_cache[:, :, b0:b0 + handle.num_blocks])]
+    else:
+        buf = _staging(channel, handle, kv_cache.device)
+        sends = []
+        for g in layer_groups(handle.layout, handle.num_blocks, group_bytes):
+            pack_blocks(kv_cache, handle.block_ids, out=buf, layers=g)
+            # NOTE: gloo sends run on its own threads, so packing the next group overlaps these.
+            sends += [channel.isend(p) for p in _planes(buf[g])]
     for s in sends:
         s.wait(deadline.left())
     ack = torch.empty(HEADER_LEN, dtype=torch.int64, device=kv_cache.device)
@@ -159,15 +182,21 @@ def recv_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, block_id
     if hdr.status is Status.EPOCH_MISMATCH:
         raise EpochMismatchError(f"{handle.worker_id}: epoch {handle.epoch} of {handle.request_id!r} "
                                  "was superseded; re-prefill it")
-    groups = layer_groups(handle.layout, handle.num_blocks, group_bytes)
-    got = (hdr.status, hdr.epoch, hdr.num_blocks, hdr.num_tokens, hdr.num_groups)
-    want = (Status.OK, handle.epoch, handle.num_blocks, handle.num_tokens, len(groups))
+    got = (hdr.status, hdr.epoch, hdr.num_blocks, hdr.num_tokens, hdr.num_messages)
+    want = (Status.OK, handle.epoch, handle.num_blocks, handle.num_tokens, messages_for(handle))
     if got != want:
         # NOTE: never use blocks sent under another epoch: that data may belong to a superseded grant.
         raise ProtocolError(f"header {got} does not match the handle {want} of {handle.request_id!r}")
-    buf = _staging(channel, handle, kv_cache.device)
-    recvs = [channel.irecv(buf[g]) for g in groups]
-    for g, r in zip(groups, recvs):
-        r.wait(deadline.left())
-        unpack_blocks(kv_cache, block_ids, buf, layers=g)  # overlaps the next group's receive
-    channel.isend(encode_header(Status.OK, handle, len(groups), kv_cache.device)).wait(deadline.left())
+    b0 = _run_start(block_ids)
+    if b0 is not None:  # zero copy: receive straight into the (fresh, unused) blocks
+        for r in [channel.irecv(p) for p in _planes(kv_cache[:, :, b0:b0 + len(block_ids)])]:
+            r.wait(deadline.left())
+    else:
+        buf = _staging(channel, handle, kv_cache.device)
+        groups = layer_groups(handle.layout, handle.num_blocks, group_bytes)
+        recvs = [[channel.irecv(p) for p in _planes(buf[g])] for g in groups]
+        for g, rs in zip(groups, recvs):
+            for r in rs:
+                r.wait(deadline.left())
+            unpack_blocks(kv_cache, block_ids, buf, layers=g)  # overlaps the next group's receive
+    channel.isend(encode_header(Status.OK, handle, messages_for(handle), kv_cache.device)).wait(deadline.left())

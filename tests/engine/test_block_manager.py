@@ -41,3 +41,17 @@ def test_integrity_check_catches_leak_and_double_free():
     bm2.free(x)
     with pytest.raises(AssertionError):
         bm2.free(x)
+
+
+def test_allocate_contiguous_takes_the_lowest_run():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    a = bm.allocate(10)
+    bm.free([a[7], a[2], a[3], a[8], a[9], a[5]])  # free: 7 2 3 8 9 5 -> runs [2,3] [5] [7,8,9]
+    assert bm.allocate_contiguous(4) is None
+    assert bm.allocate_contiguous(3) == [7, 8, 9]
+    assert bm.allocate_contiguous(2) == [2, 3]
+    assert list(bm._free) == [5]  # what is left keeps its queue order
+    bm.check_integrity()
+    bm.free([0, 1, 2, 3, 4, 6, 7, 8, 9])
+    bm.check_integrity()
+    assert bm.num_free_blocks == 10

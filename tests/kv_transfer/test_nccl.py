@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -133,6 +134,9 @@ def test_nccl_disaggregated_matches_single_engine():
         ray.get([decode.pull.remote(h, ids, prefill) for h, ids in prefilled], timeout=300)
         done = ray.get(decode.run.remote(), timeout=300)
         assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference
+        deadline = time.monotonic() + 10  # the exporter frees on the ack, just after a pull returns
+        while ray.get(prefill.integrity.remote()) != (NUM_BLOCKS, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert ray.get(prefill.integrity.remote()) == (NUM_BLOCKS, 0)
         assert ray.get(decode.integrity.remote()) == NUM_BLOCKS
     finally:

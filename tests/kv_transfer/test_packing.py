@@ -65,7 +65,7 @@ def test_header_roundtrip_and_corruption():
     t = encode_header(Status.OK, h, 2)
     assert t.shape == (HEADER_LEN,)
     hdr = decode_header(t)
-    assert (hdr.status, hdr.request_hash, hdr.epoch, hdr.num_blocks, hdr.num_tokens, hdr.num_groups) == (
+    assert (hdr.status, hdr.request_hash, hdr.epoch, hdr.num_blocks, hdr.num_tokens, hdr.num_messages) == (
         Status.OK, request_hash("req-1"), 7, 2, 6, 2)
     t[4] += 1
     from kv_transfer import ProtocolError
