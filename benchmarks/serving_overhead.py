@@ -77,7 +77,7 @@ def run_colocated(cfg: BenchConfig, warmup: int) -> dict:
         gc.collect()
 
 
-def run_disaggregated(cfg: BenchConfig, warmup: int) -> dict:
+def run_disaggregated(cfg: BenchConfig, warmup: int, threads: int = 1) -> dict:
     import ray
     from ray import serve
 
@@ -88,7 +88,7 @@ def run_disaggregated(cfg: BenchConfig, warmup: int) -> dict:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
-        serve.run(build_app({"num_prefill_workers": 1, "num_decode_workers": 1, "threads_per_worker": 1}),
+        serve.run(build_app({"num_prefill_workers": 1, "num_decode_workers": 1, "threads_per_worker": threads}),
                   name="pdserve", route_prefix="/")
         print(f"disaggregated app ready in {time.perf_counter() - t0:.1f}s", flush=True)
         return _bench(cfg, f"http://127.0.0.1:{port}", warmup)
@@ -107,18 +107,19 @@ def _row(name: str, m: dict) -> list[str]:
             f(m["duration_s"], 2)]
 
 
-def report(coloc: dict, disagg: dict) -> dict:
+def report(coloc: dict, disagg: dict, threads: int = 1) -> dict:
     from rich.console import Console
     from rich.table import Table
 
     a, b = coloc["metrics"], disagg["metrics"]
     cols = ["setup", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "E2E p50 ms",
             "duration s"]
-    table = Table(title="serving overhead (same workload, 2 threads total)", title_justify="left")
+    table = Table(title=f"serving overhead (same workload, 2 cores, {2 * threads} threads in the disaggregated run)",
+                  title_justify="left")
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
     table.add_row(*_row("colocated HTTP (1 engine, 2 threads)", a))
-    table.add_row(*_row("disaggregated Ray Serve (1P+1D, 1 thread each)", b))
+    table.add_row(*_row(f"disaggregated Ray Serve (1P+1D, {threads} thread{'s' if threads > 1 else ''} each)", b))
 
     def ratio(x, y):
         return None if not x or y is None else y / x
@@ -156,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="short requests before each measured run")
     p.add_argument("--result-json", default=None)
     p.add_argument("--only", choices=("colocated", "disaggregated"), default=None)
+    p.add_argument("--disagg-threads", type=int, default=1,
+                   help="torch threads per worker in the disaggregated run (1: equal total threads; 2: each "
+                        "worker may use both cores when the other idles)")
     args = p.parse_args(argv)
     cfg = BenchConfig(base_url="http://127.0.0.1", model=MODEL_NAME, num_prompts=args.num_prompts,
                       request_rate=args.request_rate, max_concurrency=args.max_concurrency,
@@ -165,9 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "colocated"):
         results["colocated"] = run_colocated(cfg, args.warmup)
     if args.only in (None, "disaggregated"):
-        results["disaggregated"] = run_disaggregated(cfg, args.warmup)
+        results["disaggregated"] = run_disaggregated(cfg, args.warmup, args.disagg_threads)
     if len(results) == 2:
-        results["summary"] = report(results["colocated"], results["disaggregated"])
+        results["summary"] = report(results["colocated"], results["disaggregated"], args.disagg_threads)
     else:
         from deployments.bench_cli import print_report
 
