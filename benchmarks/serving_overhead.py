@@ -114,8 +114,7 @@ def report(coloc: dict, disagg: dict, threads: int = 1) -> dict:
     a, b = coloc["metrics"], disagg["metrics"]
     cols = ["setup", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "E2E p50 ms",
             "duration s"]
-    table = Table(title=f"serving overhead (same workload, 2 cores, {2 * threads} threads in the disaggregated run)",
-                  title_justify="left")
+    table = Table(title="serving overhead (same workload, same 2 cores)", title_justify="left")
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
     table.add_row(*_row("colocated HTTP (1 engine, 2 threads)", a))
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=("colocated", "disaggregated"), default=None)
     p.add_argument("--disagg-threads", type=int, default=1,
                    help="torch threads per worker in the disaggregated run (1: equal total threads; 2: each "
-                        "worker may use both cores when the other idles)")
+                        "worker may use both cores when the other idles, oversubscribed otherwise)")
     args = p.parse_args(argv)
     cfg = BenchConfig(base_url="http://127.0.0.1", model=MODEL_NAME, num_prompts=args.num_prompts,
                       request_rate=args.request_rate, max_concurrency=args.max_concurrency,
