@@ -30,6 +30,10 @@ def _engine() -> LLMEngine:
     return LLMEngine(EngineConfig(model=None, num_threads=1, num_kv_blocks=NUM_BLOCKS, block_size=16))
 
 
+def _is_run(ids) -> bool:
+    return all(b == ids[0] + i for i, b in enumerate(ids))
+
+
 class _BenchExporter(KVExporter):
     """Frees synthetic leases (blocks allocated without a prefill) with `free_blocks`."""
 
@@ -93,8 +97,15 @@ class DecodeActor:
         t0 = time.perf_counter()
         blocks = self.kv_importer.pull(handle, exporter)
         dt = time.perf_counter() - t0
+        # which side could skip its copy (its block ids are one run; see kv_transfer.protocol)
+        self.__dict__.setdefault("_runs", {"sender": [], "receiver": []})
+        self._runs["sender"].append(_is_run(handle.block_ids))
+        self._runs["receiver"].append(_is_run(blocks))
         self.engine.free_blocks(blocks)
         return dt
+
+    def runs(self) -> dict[str, list[bool]]:
+        return self._runs
 
     def bare_connect(self, host, port):
         self.bare.connect("p0", (host, port))
@@ -139,6 +150,7 @@ def main() -> None:
             syn_s.append(t64)
             bare_64.append(tb64)
     nbytes_512, nbytes_64 = handle.nbytes, h.nbytes
+    runs = {k: sum(v) for k, v in ray.get(d.runs.remote()).items()}
     bare = {nbytes_512: statistics.median(bare_512), nbytes_64: statistics.median(bare_64)}
     deadline = time.monotonic() + 10  # the exporter frees on the ack, just after a pull returns
     while ray.get(p.free_blocks.remote()) != NUM_BLOCKS:
@@ -158,6 +170,8 @@ def main() -> None:
         print(f"{name:<22}{nbytes / 2**20:>8.1f}{t * 1e3:>13.1f}{mbps(nbytes, t):>9.0f}{tb * 1e3:>10.1f}"
               f"{mbps(nbytes, tb):>9.0f}{tb / t:>9.0%}")
     print(f"\n512-token prefill: {tp * 1e3:.0f} ms; its KV transfer: {t512 * 1e3:.1f} ms = {t512 / tp:.1%} of prefill")
+    print(f"transfers without a copy: sender {runs['sender']}, receiver {runs['receiver']} "
+          f"of {2 * (args.reps + 1)}")
     print(f"(pull all reps, ms: {[round(x * 1e3, 1) for x in kv_s]}; 64 MiB: {[round(x * 1e3, 1) for x in syn_s]})")
     ray.shutdown()
 

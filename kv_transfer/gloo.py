@@ -24,8 +24,6 @@ from kv_transfer.transport import Channel, Pending, Transport
 
 logger = logging.getLogger(__name__)
 
-_TAG = 0
-
 
 def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
@@ -80,9 +78,9 @@ class GlooChannel(Channel):
             raise _typed(self._error or RuntimeError("channel closed"), f"gloo channel to {self.peer!r}")
         return self._pg
 
-    def isend(self, tensor: torch.Tensor) -> Pending:
+    def isend(self, tensor: torch.Tensor, tag: int = 0) -> Pending:
         try:
-            work = self._group().send([tensor], 1 - self.rank, _TAG)
+            work = self._group().send([tensor], 1 - self.rank, tag)
         except KVTransferError:
             raise
         except Exception as e:
@@ -90,9 +88,9 @@ class GlooChannel(Channel):
             raise _typed(e, f"send to {self.peer!r}") from e
         return _GlooPending(self, work, "send to")
 
-    def irecv(self, tensor: torch.Tensor) -> Pending:
+    def irecv(self, tensor: torch.Tensor, tag: int = 0) -> Pending:
         try:
-            work = self._group().recv([tensor], 1 - self.rank, _TAG)
+            work = self._group().recv([tensor], 1 - self.rank, tag)
         except KVTransferError:
             raise
         except Exception as e:

@@ -105,10 +105,10 @@ class NcclChannel(Channel):
         event.record(stream)
         return _NcclPending(self, event)
 
-    def isend(self, tensor: torch.Tensor) -> Pending:
-        return self._op(tensor, True)
+    def isend(self, tensor: torch.Tensor, tag: int = 0) -> Pending:
+        return self._op(tensor, True)  # one stream: NCCL matches in order, no tags
 
-    def irecv(self, tensor: torch.Tensor) -> Pending:
+    def irecv(self, tensor: torch.Tensor, tag: int = 0) -> Pending:
         return self._op(tensor, False)
 
     def close(self) -> None:

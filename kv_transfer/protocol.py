@@ -124,9 +124,11 @@ def _run_start(block_ids) -> int | None:
     return b0 if all(b == b0 + i for i, b in enumerate(block_ids)) else None
 
 
-def _planes(kv: torch.Tensor) -> list[torch.Tensor]:
-    """The wire messages of a [layers, 2, blocks, ...] tensor, in order: (layer 0, K), (layer 0, V), ..."""
-    return [kv[layer, i] for layer in range(kv.shape[0]) for i in range(2)]
+def _planes(kv: torch.Tensor, first_layer: int = 0) -> list[tuple[int, torch.Tensor]]:
+    """The wire messages of a [layers, 2, blocks, ...] tensor, (tag, plane) in order: (layer 0, K),
+    (layer 0, V), ... Each plane has its own tag (header and ack use 0): gloo may pair outstanding
+    sends and receives of one tag out of order, which for equal-sized planes would go unnoticed."""
+    return [(1 + 2 * (first_layer + layer) + i, kv[layer, i]) for layer in range(kv.shape[0]) for i in range(2)]
 
 
 def messages_for(handle: KVHandle) -> int:
@@ -140,17 +142,16 @@ def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_
     The caller holds `channel.lock` and has validated (and pinned) the lease.
     """
     deadline = _Deadline(timeout_s)
-    channel.isend(encode_header(Status.OK, handle, messages_for(handle), kv_cache.device)).wait(deadline.left())
+    sends = [channel.isend(encode_header(Status.OK, handle, messages_for(handle), kv_cache.device))]
     b0 = _run_start(handle.block_ids)
     if b0 is not None:  # zero copy: the planes are slices of the cache
-        sends = [channel.isend(p) for p in _planes(kv_cache[:, :, b0:b0 + handle.num_blocks])]
+        sends += [channel.isend(p, tag) for tag, p in _planes(kv_cache[:, :, b0:b0 + handle.num_blocks])]
     else:
         buf = _staging(channel, handle, kv_cache.device)
-        sends = []
         for g in layer_groups(handle.layout, handle.num_blocks, group_bytes):
             pack_blocks(kv_cache, handle.block_ids, out=buf, layers=g)
             # NOTE: gloo sends run on its own threads, so packing the next group overlaps these.
-            sends += [channel.isend(p) for p in _planes(buf[g])]
+            sends += [channel.isend(p, tag) for tag, p in _planes(buf[g], g.start)]
     for s in sends:
         s.wait(deadline.left())
     ack = torch.empty(HEADER_LEN, dtype=torch.int64, device=kv_cache.device)
@@ -189,12 +190,12 @@ def recv_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, block_id
         raise ProtocolError(f"header {got} does not match the handle {want} of {handle.request_id!r}")
     b0 = _run_start(block_ids)
     if b0 is not None:  # zero copy: receive straight into the (fresh, unused) blocks
-        for r in [channel.irecv(p) for p in _planes(kv_cache[:, :, b0:b0 + len(block_ids)])]:
+        for r in [channel.irecv(p, tag) for tag, p in _planes(kv_cache[:, :, b0:b0 + len(block_ids)])]:
             r.wait(deadline.left())
     else:
         buf = _staging(channel, handle, kv_cache.device)
         groups = layer_groups(handle.layout, handle.num_blocks, group_bytes)
-        recvs = [[channel.irecv(p) for p in _planes(buf[g])] for g in groups]
+        recvs = [[channel.irecv(p, tag) for tag, p in _planes(buf[g], g.start)] for g in groups]
         for g, rs in zip(groups, recvs):
             for r in rs:
                 r.wait(deadline.left())

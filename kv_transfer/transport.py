@@ -38,11 +38,13 @@ class Channel(ABC):
         self.lock = threading.Lock()
         self.broken = False
 
+    # `tag` names a message in a stream: a receive only matches the send with its tag. Backends whose
+    # sends complete in order whatever their sizes (NCCL on one stream, in-process queues) ignore it.
     @abstractmethod
-    def isend(self, tensor: torch.Tensor) -> Pending: ...
+    def isend(self, tensor: torch.Tensor, tag: int = 0) -> Pending: ...
 
     @abstractmethod
-    def irecv(self, tensor: torch.Tensor) -> Pending: ...
+    def irecv(self, tensor: torch.Tensor, tag: int = 0) -> Pending: ...
 
     def close(self) -> None:
         self.broken = True
@@ -153,12 +155,12 @@ class _InProcChannel(Channel):
         if self.hub.is_dead(self.peer) or self.hub.is_dead(self.me):
             raise PeerDiedError(f"{self.me}: peer {self.peer!r} died")
 
-    def isend(self, tensor: torch.Tensor) -> Pending:
+    def isend(self, tensor: torch.Tensor, tag: int = 0) -> Pending:
         self._check_alive()
         self._out.put(tensor.detach().clone())
         return _Done()
 
-    def irecv(self, tensor: torch.Tensor) -> Pending:
+    def irecv(self, tensor: torch.Tensor, tag: int = 0) -> Pending:
         p = _InProcRecv(self, tensor)
         self._posted.append(p)
         return p

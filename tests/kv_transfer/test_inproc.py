@@ -164,16 +164,19 @@ def test_peer_dies_mid_transfer(model_dir):
     pair.check()
 
 
+@pytest.mark.parametrize("backend", ["inproc", "gloo"])
 @pytest.mark.parametrize("src_ids,dst_ids", [
     ([4, 5, 6], [10, 11, 12]),  # both runs: zero copy on both sides
     ([6, 2, 9], [10, 11, 12]),  # sender packs, receiver lands in place
     ([4, 5, 6], [3, 0, 7]),  # sender sends from its cache, receiver stages and scatters
     ([6, 2, 9], [12, 1, 5]),  # both copy
 ])
-def test_blocks_arrive_intact_with_or_without_copies(src_ids, dst_ids):
-    """Each side alone chooses zero copy (its ids are one run) or pack/stage; the bytes agree either way."""
+def test_blocks_arrive_intact_with_or_without_copies(src_ids, dst_ids, backend):
+    """Each side alone chooses zero copy (its ids are one run) or pack/stage; the bytes agree either way,
+    also over real gloo sockets (two channels in this one process), where every plane has its own tag."""
     import torch
 
+    from kv_transfer.gloo import GlooTransport
     from kv_transfer.protocol import recv_kv, send_kv
 
     torch.manual_seed(0)
@@ -182,15 +185,23 @@ def test_blocks_arrive_intact_with_or_without_copies(src_ids, dst_ids):
     layout = KVLayout.of(src)
     leases = LeaseTable("P", layout, lambda rid: None)
     handle = leases.grant("r", src_ids, num_tokens=10, first_token=1)
-    hub = InProcHub()
-    tp, td = InProcTransport(hub, "P"), InProcTransport(hub, "D")
-    tp.connect("D")
-    td.connect("P")
-    with ThreadPoolExecutor(1) as pool:
-        # group_bytes small enough that the staged paths run in several layer groups
-        push = pool.submit(send_kv, tp.channel("D"), src, handle, 5, group_bytes=500)
-        recv_kv(td.channel("P"), dst, handle, dst_ids, 5, group_bytes=500)
-        push.result(5)
+    if backend == "inproc":
+        hub = InProcHub()
+        tp, td = InProcTransport(hub, "P"), InProcTransport(hub, "D")
+        tp.connect("D")
+        td.connect("P")
+    else:
+        tp, td = GlooTransport("127.0.0.1", timeout_s=10), GlooTransport("127.0.0.1", timeout_s=10)
+        td.connect("P", tp.listen("D"))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            # group_bytes small enough that the staged paths run in several layer groups
+            push = pool.submit(send_kv, tp.channel("D"), src, handle, 5, group_bytes=500)
+            recv_kv(td.channel("P"), dst, handle, dst_ids, 5, group_bytes=500)
+            push.result(5)
+    finally:
+        tp.close()
+        td.close()
     assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
     untouched = [b for b in range(14) if b not in dst_ids]
     assert not dst[:, :, untouched].any()
