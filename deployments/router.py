@@ -552,7 +552,9 @@ class Router:
         if src is dst or (gap <= 2 * self.config.max_num_batched_tokens and not (src.draining and src.queued_prompt_tokens)):
             return
         try:
-            reqs = await asyncio.wait_for(src.actor.release_queued.remote(max(1, gap // 2)), 10)
+            # A draining worker hands over everything not started; otherwise split the difference.
+            want = src.queued_prompt_tokens if src.draining else gap // 2
+            reqs = await asyncio.wait_for(src.actor.release_queued.remote(max(1, want)), 10)
         except Exception:  # noqa: BLE001 - dead or busy: the monitor deals with it
             return
         moved = 0
