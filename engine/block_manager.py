@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 
@@ -15,6 +16,8 @@ class BlockManager:
     NOTE: invariant: every block is either in the free queue with ref count 0, or out of it with a
     ref count > 0. `check_integrity` asserts it; tests run it after every scenario.
     """
+
+    MAX_RUN_SEARCH = 16384  # free blocks beyond which allocate_contiguous only looks at the queue's front
 
     def __init__(self, num_blocks: int, block_size: int):
         assert num_blocks > 0 and block_size > 0
@@ -47,10 +50,15 @@ class BlockManager:
         return block_ids
 
     def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
-        """`num_blocks` consecutive ids (ref count 1 each), the lowest such run, or None if the free
-        blocks hold no run that long. Imported KV lands in a run straight off the wire, with no
-        staging copy (kv_transfer.protocol)."""
+        """`num_blocks` consecutive ids (ref count 1 each): the front of the free queue if it is such a
+        run, else the lowest run, or None if there is none (or the free list is too long to search).
+        Imported KV lands in a run straight off the wire, with no staging copy (kv_transfer.protocol)."""
         if num_blocks > len(self._free):
+            return None
+        front = list(itertools.islice(self._free, num_blocks))
+        if all(b == front[0] + i for i, b in enumerate(front)):  # the usual case in a fresh pool: O(n)
+            return self.allocate(num_blocks)
+        if len(self._free) > self.MAX_RUN_SEARCH:  # not worth a sort of a huge free list per import
             return None
         free = sorted(self._free)
         start = 0

@@ -55,3 +55,15 @@ def test_allocate_contiguous_takes_the_lowest_run():
     bm.free([0, 1, 2, 3, 4, 6, 7, 8, 9])
     bm.check_integrity()
     assert bm.num_free_blocks == 10
+
+
+def test_allocate_contiguous_prefers_the_queue_front():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = bm.allocate(3)  # free queue: 3 4 5 6 7
+    assert bm.allocate_contiguous(2) == [3, 4]  # the front is a run: taken as allocate() would
+    bm.free(a)  # free queue: 5 6 7 0 1 2
+    assert bm.allocate_contiguous(4) is None  # no run of 4: 5-7 and 0-2
+    assert bm.allocate_contiguous(3) == [5, 6, 7]
+    bm.free([3, 4, 5, 6, 7])
+    bm.check_integrity()
+    assert bm.num_free_blocks == 8
