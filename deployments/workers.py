@@ -27,6 +27,14 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.02
 
 
+def _engine_arrival(req: GenRequest) -> float | None:
+    """When the client sent `req`, on the engine's monotonic clock: a resumed or retried request keeps
+    its place in the queue instead of going behind everything that arrived since."""
+    if not req.arrival_time:
+        return None
+    return time.monotonic() - max(0.0, time.time() - req.arrival_time)
+
+
 class _EngineWorker:
     role = "worker"
 
@@ -67,7 +75,7 @@ class _EngineWorker:
     def check_integrity(self) -> dict:
         """Runs the block manager's integrity check; returns block use for the caller's assertions."""
         with self.lock:
-            self._before_step()
+            self._settle()
             self.engine.check_integrity()
             bm = self.engine.block_manager
             return {"num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
@@ -92,8 +100,8 @@ class _EngineWorker:
     def _idle(self) -> None:
         pass
 
-    def _before_step(self) -> None:
-        pass
+    def _settle(self) -> None:
+        """Deferred bookkeeping the engine must see before it is stepped or checked (caller holds the lock)."""
 
     def _loop(self) -> None:
         while self._alive:
@@ -108,7 +116,7 @@ class _EngineWorker:
                 continue
             try:
                 with self.lock:
-                    self._before_step()
+                    self._settle()
                     outs = self.engine.step()
                     stats = self.engine.last_step
                     metrics.record_step(self.role, self.worker_id, stats, self.engine)
@@ -172,10 +180,8 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
         try:
             with self.lock:
                 self._forget(req.request_id)
-                # A resumed request keeps its place: it queues by when the client sent it.
-                arrival = time.monotonic() - max(0.0, time.time() - req.arrival_time) if req.arrival_time else None
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
-                                        prefill_only=True, arrival_time=arrival)
+                                        prefill_only=True, arrival_time=_engine_arrival(req))
                 self.requests[req.request_id] = req
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
@@ -194,7 +200,7 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
             self.requests.pop(request_id)
             self.engine.abort(request_id)
 
-    def _before_step(self) -> None:
+    def _settle(self) -> None:
         self.kv_exporter.free_released()
 
     def release_queued(self, max_tokens: int) -> list[GenRequest]:
@@ -294,7 +300,7 @@ class DecodeWorker(_EngineWorker):
             self._aborted.discard(req.request_id)
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
-                                        arrival_time=time.monotonic() - max(0.0, time.time() - req.arrival_time))
+                                        arrival_time=_engine_arrival(req))
             except ValueError:
                 logger.warning("%s: cannot resume %s here", self.worker_id, req.request_id, exc_info=True)
                 return False
