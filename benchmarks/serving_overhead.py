@@ -1,14 +1,18 @@
-"""Serving-layer overhead: the same workload through HTTP against (a) the engine colocated in one process and
-(b) Ray Serve with 1 prefill + 1 decode actor, at equal total threads (2).
+"""Serving-layer overhead: the same workload through HTTP against (a) the engine alone in one process,
+(b) Ray Serve colocated (one decode worker that prefills too) and (c) Ray Serve with 1 prefill + 1 decode
+actor, all at equal total threads (2).
 
 ```
- (a) colocated:  loadgen ──HTTP──▶ uvicorn (this process) ──▶ LocalEngineBackend ──▶ LLMEngine (2 threads)
- (b) disagg:     loadgen ──HTTP──▶ Serve proxy ──▶ ingress ──▶ router ──▶ prefill (1 thread) ══KV══▶ decode (1 thread)
+ (a) engine:     loadgen ──HTTP──▶ uvicorn (this process) ──▶ LocalEngineBackend ──▶ LLMEngine (2 threads)
+ (b) colocated:  loadgen ──HTTP──▶ Serve proxy ──▶ ingress ──▶ router ──▶ decode worker (2 threads)
+ (c) disagg:     loadgen ──HTTP──▶ Serve proxy ──▶ ingress ──▶ router ──▶ prefill (1 thread) ══KV══▶ decode (1 thread)
 ```
 
-Both go through the same load generator (`pdserve bench`'s `run_benchmark`), so the HTTP/SSE/tokenizer
-cost of the ingress is in both rows; (b) adds Ray Serve's proxy, the router, the KV handoff over gloo and
-the Ray processes competing for the same two cores. Per-token overhead = 1/tput(b) - 1/tput(a).
+All go through the same load generator (`pdserve bench`'s `run_benchmark`), so the HTTP/SSE/tokenizer
+cost of the ingress is in every row. (b) adds what the serving layer itself costs: Ray Serve's proxy, the
+router, actor calls, token streaming between processes. (c) adds the KV handoff over gloo and, on one
+2-core machine, the split of the cores into a fixed 1 + 1 (on a cluster each pool has its own GPUs).
+Per-token overhead = 1/tput(x) - 1/tput(a).
 
     .venv/bin/python benchmarks/serving_overhead.py [--num-prompts 32 --request-rate 8 --result-json PATH]
 """
@@ -48,7 +52,7 @@ def _bench(cfg: BenchConfig, url: str, warmup: int) -> dict:
     return run_benchmark(replace(cfg, base_url=url))
 
 
-def run_colocated(cfg: BenchConfig, warmup: int) -> dict:
+def run_engine_alone(cfg: BenchConfig, warmup: int) -> dict:
     import uvicorn
 
     from deployments.backend import LocalEngineBackend
@@ -65,7 +69,7 @@ def run_colocated(cfg: BenchConfig, warmup: int) -> dict:
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline:
-            raise RuntimeError("the colocated uvicorn server did not start in 30 s")
+            raise RuntimeError("the in-process uvicorn server did not start in 30 s")
         time.sleep(0.05)
     try:
         return _bench(cfg, f"http://127.0.0.1:{port}", warmup)
@@ -77,7 +81,7 @@ def run_colocated(cfg: BenchConfig, warmup: int) -> dict:
         gc.collect()
 
 
-def run_disaggregated(cfg: BenchConfig, warmup: int, threads: int = 1) -> dict:
+def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int) -> dict:
     import ray
     from ray import serve
 
@@ -88,9 +92,11 @@ def run_disaggregated(cfg: BenchConfig, warmup: int, threads: int = 1) -> dict:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         t0 = time.perf_counter()
-        serve.run(build_app({"num_prefill_workers": 1, "num_decode_workers": 1, "threads_per_worker": threads}),
+        serve.run(build_app({"num_prefill_workers": prefill, "num_decode_workers": 1, "threads_per_worker": threads,
+                             "worker_num_cpus": 1 if prefill else 2}),
                   name="pdserve", route_prefix="/")
-        print(f"disaggregated app ready in {time.perf_counter() - t0:.1f}s", flush=True)
+        print(f"Ray Serve app ({prefill}P+1D, {threads} threads each) ready in {time.perf_counter() - t0:.1f}s",
+              flush=True)
         return _bench(cfg, f"http://127.0.0.1:{port}", warmup)
     finally:
         try:
@@ -107,39 +113,50 @@ def _row(name: str, m: dict) -> list[str]:
             f(m["duration_s"], 2)]
 
 
-def report(coloc: dict, disagg: dict, threads: int = 1) -> dict:
+def report(results: dict, threads: int = 1) -> dict:
     from rich.console import Console
     from rich.table import Table
 
-    a, b = coloc["metrics"], disagg["metrics"]
+    names = {"engine": "engine alone, HTTP in-process (2 threads)",
+             "colocated": "Ray Serve colocated (1 worker, 2 threads)",
+             "disaggregated": f"Ray Serve disaggregated (1P+1D, {threads} thread{'s' if threads > 1 else ''} each)"}
     cols = ["setup", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "E2E p50 ms",
             "duration s"]
     table = Table(title="serving overhead (same workload, same 2 cores)", title_justify="left")
     for i, c in enumerate(cols):
         table.add_column(c, justify="left" if i == 0 else "right")
-    table.add_row(*_row("colocated HTTP (1 engine, 2 threads)", a))
-    table.add_row(*_row(f"disaggregated Ray Serve (1P+1D, {threads} thread{'s' if threads > 1 else ''} each)", b))
+    for key, name in names.items():
+        if key in results:
+            table.add_row(*_row(name, results[key]["metrics"]))
 
     def ratio(x, y):
         return None if not x or y is None else y / x
 
-    ratios = {"output_throughput": ratio(a["output_throughput"], b["output_throughput"]),
-              **{f"{k}_{p}": ratio(a[k][p], b[k][p]) for k in ("ttft_ms", "tpot_ms") for p in ("p50", "p99")},
-              "e2e_ms_p50": ratio(a["e2e_ms"]["p50"], b["e2e_ms"]["p50"])}
     g = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
-    table.add_row("ratio disagg / colocated", "", g(ratios["output_throughput"]), g(ratios["ttft_ms_p50"]),
-                  g(ratios["ttft_ms_p99"]), g(ratios["tpot_ms_p50"]), g(ratios["tpot_ms_p99"]),
-                  g(ratios["e2e_ms_p50"]), "")
-    console = Console(width=160)
+    a = results["engine"]["metrics"]
+    summary = {}
+    for key in ("colocated", "disaggregated"):
+        if key not in results:
+            continue
+        b = results[key]["metrics"]
+        ratios = {"output_throughput": ratio(a["output_throughput"], b["output_throughput"]),
+                  **{f"{k}_{p}": ratio(a[k][p], b[k][p]) for k in ("ttft_ms", "tpot_ms") for p in ("p50", "p99")},
+                  "e2e_ms_p50": ratio(a["e2e_ms"]["p50"], b["e2e_ms"]["p50"])}
+        table.add_row(f"ratio {key} / engine", "", g(ratios["output_throughput"]), g(ratios["ttft_ms_p50"]),
+                      g(ratios["ttft_ms_p99"]), g(ratios["tpot_ms_p50"]), g(ratios["tpot_ms_p99"]),
+                      g(ratios["e2e_ms_p50"]), "")
+        summary[key] = {"ratios": ratios}
+        if a["output_throughput"] and b["output_throughput"]:
+            loss = 1.0 - b["output_throughput"] / a["output_throughput"]
+            per_tok_ms = 1000.0 / b["output_throughput"] - 1000.0 / a["output_throughput"]
+            summary[key].update(throughput_loss=loss, overhead_ms_per_token=per_tok_ms, meets_target=loss <= 0.10)
+    console = Console(width=170)
     console.print(table)
-    summary = {"ratios": ratios}
-    if a["output_throughput"] and b["output_throughput"]:
-        loss = 1.0 - b["output_throughput"] / a["output_throughput"]
-        per_tok_ms = 1000.0 / b["output_throughput"] - 1000.0 / a["output_throughput"]
-        summary.update(throughput_loss=loss, overhead_ms_per_token=per_tok_ms, meets_target=loss <= 0.10)
-        verdict = "[green]meets[/green]" if loss <= 0.10 else "[red]misses[/red]"
-        console.print(f"throughput loss {loss:+.1%} ({verdict} the <= 10% target); serving overhead "
-                      f"{per_tok_ms:+.2f} ms per output token (1/tput_disagg - 1/tput_colocated)")
+    for key, s in summary.items():
+        if "throughput_loss" in s:
+            verdict = "[green]meets[/green]" if s["meets_target"] else "[red]misses[/red]"
+            console.print(f"{key}: throughput loss {s['throughput_loss']:+.1%} ({verdict} the <= 10% target); "
+                          f"{s['overhead_ms_per_token']:+.2f} ms per output token over the engine alone")
     return summary
 
 
@@ -155,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=240.0, help="bound on each measured run")
     p.add_argument("--warmup", type=int, default=2, help="short requests before each measured run")
     p.add_argument("--result-json", default=None)
-    p.add_argument("--only", choices=("colocated", "disaggregated"), default=None)
+    p.add_argument("--only", choices=("engine", "colocated", "disaggregated"), default=None)
     p.add_argument("--disagg-threads", type=int, default=1,
                    help="torch threads per worker in the disaggregated run (1: equal total threads; 2: each "
                         "worker may use both cores when the other idles, oversubscribed otherwise)")
@@ -165,12 +182,14 @@ def main(argv: list[str] | None = None) -> int:
                       input_len_range=tuple(args.input_len_range), output_len_range=tuple(args.output_len_range),
                       vocab_size=args.vocab_size, seed=args.seed, timeout_s=args.timeout_s)
     results = {}
+    if args.only in (None, "engine"):
+        results["engine"] = run_engine_alone(cfg, args.warmup)
     if args.only in (None, "colocated"):
-        results["colocated"] = run_colocated(cfg, args.warmup)
+        results["colocated"] = run_ray_serve(cfg, args.warmup, prefill=0, threads=2)
     if args.only in (None, "disaggregated"):
-        results["disaggregated"] = run_disaggregated(cfg, args.warmup, args.disagg_threads)
-    if len(results) == 2:
-        results["summary"] = report(results["colocated"], results["disaggregated"], args.disagg_threads)
+        results["disaggregated"] = run_ray_serve(cfg, args.warmup, prefill=1, threads=args.disagg_threads)
+    if "engine" in results and len(results) > 1:
+        results["summary"] = report(results, args.disagg_threads)
     else:
         from deployments.bench_cli import print_report
 

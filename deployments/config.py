@@ -14,6 +14,7 @@ from engine.errors import EngineConfigError
 class ServeConfig:
     model: str | None = None
     model_name: str | None = None  # the name clients pass as `model`; default: derived from the model
+    # 0 prefill workers: colocated (aggregated) serving, each decode worker prefills its own prompts.
     num_prefill_workers: int = 1
     num_decode_workers: int = 1
     # Resources per worker actor: on a GPU cluster num_gpus=1 and the custom resources pin node types.
@@ -54,9 +55,11 @@ class ServeConfig:
     ingress_replicas: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill_workers", "num_decode_workers", "threads_per_worker", "max_queued_requests"):
+        for name in ("num_decode_workers", "threads_per_worker", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_prefill_workers < 0:
+            raise EngineConfigError(f"num_prefill_workers must be >= 0 (0: colocated), got {self.num_prefill_workers}")
         if self.worker_num_cpus < 0 or self.worker_num_gpus < 0:
             raise EngineConfigError("worker_num_cpus / worker_num_gpus must be >= 0")
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s"):
@@ -65,12 +68,22 @@ class ServeConfig:
         for pool in ("prefill", "decode"):
             n = getattr(self, f"num_{pool}_workers")
             lo, hi = self.pool_bounds(pool)
-            if not (1 <= lo <= n <= hi):
+            if self.colocated and pool == "prefill":
+                if lo or hi:
+                    raise EngineConfigError("with num_prefill_workers=0 (colocated) the prefill pool cannot scale: "
+                                            f"prefill_min_workers ({lo}) and prefill_max_workers ({hi}) must be 0")
+            elif not (1 <= lo <= n <= hi):
                 raise EngineConfigError(f"need 1 <= {pool}_min_workers ({lo}) <= num_{pool}_workers ({n}) "
                                         f"<= {pool}_max_workers ({hi})")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0 or self.autoscale_interval_s <= 0:
             raise EngineConfigError("upscale_delay_s / downscale_delay_s must be >= 0, autoscale_interval_s > 0")
         self.engine_config()  # checks the engine fields too
+
+    @property
+    def colocated(self) -> bool:
+        """No prefill pool: every decode worker runs whole requests (chunked prefill mixed into its
+        decode batch), as one engine would. Nothing moves over the KV transport."""
+        return self.num_prefill_workers == 0
 
     def pool_bounds(self, pool: str) -> tuple[int, int]:
         n = getattr(self, f"num_{pool}_workers")

@@ -5,6 +5,9 @@
                  ▼
     pending-decode queue ─▶ decode worker with room (after every step report)
 
+Colocated (num_prefill_workers=0), submit puts requests straight in the pending-decode queue and the
+decode worker runs them whole (`DecodeWorker.resume`), chunked prefill mixed into its batch.
+
 It is off the per-token path: tokens go from workers to the ingress's StreamHub. It sees one
 `DecodeReport` per decode worker per step and fills freed capacity at once, which is continuous
 batching across the whole decode pool. It also scales each pool by its queue depth, drains workers
@@ -220,6 +223,9 @@ class Router:
 
     def _place_prefill(self, rid: str) -> None:
         t = self.tracked[rid]
+        if self.config.colocated:
+            self._queue_whole(t)
+            return
         candidates = [w for w in self.prefill.values() if w.ready and not w.draining]
         if not candidates:
             t.stage = "unplaced"
@@ -230,6 +236,13 @@ class Router:
         w.queued_prompt_tokens += len(t.req.prompt_token_ids)
         t.stage, t.worker_id, t.prefill_worker_id, t.handle = "prefill", w.worker_id, w.worker_id, None
         w.actor.add.remote(t.req)
+
+    def _queue_whole(self, t: _Tracked) -> None:
+        """Colocated: wait for a decode worker with room, which then runs the request whole."""
+        t.stage, t.handle, t.worker_id, t.prefill_worker_id = "pending_decode", None, None, None
+        if t.req.request_id not in self.pending_decode:
+            self.pending_decode.append(t.req.request_id)
+        self._admit()
 
     def _flush_unplaced(self) -> None:
         rids, self.unplaced = self.unplaced, []
@@ -306,6 +319,14 @@ class Router:
         for rid in self.pending_decode:
             t = self.tracked[rid]
             # Room for the prompt plus a block of growth, so a new sequence does not preempt at once.
+            if t.handle is None:  # colocated: the decode worker prefills it too
+                need = -(-len(t.req.prompt_token_ids) // self.config.block_size) + 1
+                best = self._pick_decode(need)
+                if best is None:
+                    still.append(rid)
+                else:
+                    self._run_whole(t, best, need)
+                continue
             need = -(-t.handle.num_tokens // self.config.block_size) + 1
             best = self._pick_decode(need)
             prefill = self.prefill.get(t.prefill_worker_id or "")
@@ -326,11 +347,7 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - a dead or stuck decode worker: re-prefill elsewhere
             logger.warning("admit of %s on %s failed: %r", rid, w.worker_id, exc)
             ok = False
-        w.reserved_blocks -= need
-        w.reserved_seqs -= 1
-        if w.report is not None and ok:  # until its next report, count the blocks as taken
-            w.report = replace(w.report, num_free_blocks=w.report.num_free_blocks - (need - 1),
-                               num_running=w.report.num_running + 1)
+        self._unreserve(w, need, ok)
         t = self.tracked.get(rid)
         if t is not None and t.stage == "admitting" and t.worker_id == w.worker_id:
             if ok:
@@ -340,6 +357,13 @@ class Router:
                 metrics.count_transfer_failure()
                 await self._requeue(t, "KV transfer failed", "retries")
         self._admit()
+
+    def _unreserve(self, w: _Worker, need: int, taken: bool) -> None:
+        w.reserved_blocks -= need
+        w.reserved_seqs -= 1
+        if w.report is not None and taken:  # until its next report, count the blocks as taken
+            w.report = replace(w.report, num_free_blocks=w.report.num_free_blocks - (need - 1),
+                               num_running=w.report.num_running + 1)
 
     async def _requeue(self, t: _Tracked, why: str, counter: str) -> None:
         """Prefill again from the prompt plus every token the client already has, then decode on."""
@@ -382,29 +406,37 @@ class Router:
         w = self._pick_decode(need)
         if w is None:
             return False
+        self._run_whole(t, w, need)
+        return True
+
+    def _run_whole(self, t: _Tracked, w: _Worker, need: int) -> None:
+        """Hand `t` to decode worker `w` to run from its prompt (colocated, or a migrated sequence)."""
         w.reserved_blocks += need
         w.reserved_seqs += 1
         t.stage, t.worker_id, t.prefill_worker_id = "admitting", w.worker_id, None
+        if t.req.attempt == 0:
+            self.counters["admitted"] += 1
         ref = w.actor.resume.remote(t.req)
         asyncio.get_event_loop().create_task(self._resumed(t, w, need, ref))
-        return True
 
     async def _resumed(self, t: _Tracked, w: _Worker, need: int, ref) -> None:
         try:
             ok = await asyncio.wait_for(ref, 30)
         except Exception as exc:  # noqa: BLE001 - it died too: the death watch moves it again
-            logger.warning("resume of %s on %s failed: %r", t.req.request_id, w.worker_id, exc)
+            logger.warning("run of %s on %s failed: %r", t.req.request_id, w.worker_id, exc)
             ok = None
-        w.reserved_blocks -= need
-        w.reserved_seqs -= 1
+        self._unreserve(w, need, ok is True)
         if self.tracked.get(t.req.request_id) is not t or t.stage != "admitting" or t.worker_id != w.worker_id:
             return
-        if ok:
+        if ok is True:
             t.stage = "decode"
         elif ok is None:
-            await self._requeue(t, f"resume on {w.worker_id} failed", "migrations")
+            await self._requeue(t, f"run on {w.worker_id} failed", "migrations")
+        elif self.config.colocated:  # the engine refused it: there is nowhere else it could run
+            self._fail(t, f"{w.worker_id} refused the request: {ok}")
         else:
             self._place_prefill(t.req.request_id)
+        self._admit()
 
     def _fail(self, t: _Tracked, message: str) -> None:
         self.tracked.pop(t.req.request_id, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any, AsyncIterator
 
@@ -10,7 +12,10 @@ from deployments.backend import QueueFullError, TokenDelta
 from deployments.messages import GenRequest
 from engine import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 POLL_S = 1.0
+_LOST = None  # put on a stream's queue when the hub is gone
 
 
 class RouterBackend:
@@ -19,24 +24,53 @@ class RouterBackend:
         self.hub = hub
         self.hub_id = hub_id
         self.request_timeout_s = request_timeout_s
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._poller: asyncio.Task | None = None
+
+    def _ensure_poller(self) -> None:
+        """One long poll of the hub for every open stream of this replica (per event loop)."""
+        if self._poller is None or self._poller.done() or self._poller.get_loop() is not asyncio.get_running_loop():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while self._queues:
+            try:
+                batch = await self.hub.next_all.remote(POLL_S)
+            except Exception:  # noqa: BLE001 - the hub died (it lives with this replica): streams are lost
+                logger.exception("stream hub %s is gone", self.hub_id)
+                for q in self._queues.values():
+                    q.put_nowait(_LOST)
+                return
+            for rid, events in batch.items():
+                q = self._queues.get(rid)
+                if q is not None:
+                    q.put_nowait(events)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[TokenDelta]:
         timer = metrics.RequestTimer()
         await self.hub.open.remote(request_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
         req = GenRequest(request_id, list(prompt_token_ids), params, self.hub_id, self.hub, priority=priority,
                          num_original_prompt_tokens=len(prompt_token_ids), arrival_time=time.time())
         res = await self.router.submit.remote(req)
         if not res["ok"]:
+            self._queues.pop(request_id, None)
             await self.hub.close.remote(request_id)
             raise QueueFullError(f"server busy: {res.get('reason', 'queue full')}", res.get("retry_after_s", 1.0))
         finished = False
         finish_reason = None
         last_event = time.monotonic()
+        self._ensure_poller()
         try:
             while not finished:
-                events = await self.hub.next.remote(request_id, POLL_S)
-                if events is None:
+                try:
+                    events = await asyncio.wait_for(queue.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    events = []
+                    self._ensure_poller()
+                if events is _LOST:
                     finish_reason = "error"
                     yield TokenDelta([], True, "error", "request stream lost", len(prompt_token_ids))
                     return
@@ -59,6 +93,7 @@ class RouterBackend:
                     if finished:
                         break
         finally:
+            self._queues.pop(request_id, None)
             timer.finish(finish_reason, len(prompt_token_ids))
             if not finished:
                 await self.abort(request_id)

@@ -13,7 +13,8 @@ def add_serve_parser(sub) -> None:
     s = sub.add_parser("serve", help="start the OpenAI-compatible server (Ray + Serve)")
     s.add_argument("--model", default=None, help="HF dir, .gguf file or cached hub id (default: embedded SmolLM2)")
     s.add_argument("--model-name", default=None, help="name clients pass as `model` (default: from the model)")
-    s.add_argument("--prefill-workers", type=int, default=1)
+    s.add_argument("--prefill-workers", type=int, default=1,
+                   help="0: colocated, each decode worker prefills its own prompts (no KV transfer)")
     s.add_argument("--decode-workers", type=int, default=1)
     s.add_argument("--threads-per-worker", type=int, default=1)
     s.add_argument("--worker-num-cpus", type=float, default=1.0)
@@ -63,8 +64,9 @@ def _serve(args: argparse.Namespace) -> int:
     serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port},
                 grpc_options=grpc_options(args.grpc_port) if args.grpc_port else None)
     t0 = time.perf_counter()
-    print(f"pdserve: starting {cfg.num_prefill_workers} prefill + {cfg.num_decode_workers} decode workers "
-          f"for {cfg.served_model_name} ...", flush=True)
+    pools = (f"{cfg.num_decode_workers} colocated worker(s) (no prefill pool)" if cfg.colocated else
+             f"{cfg.num_prefill_workers} prefill + {cfg.num_decode_workers} decode workers")
+    print(f"pdserve: starting {pools} for {cfg.served_model_name} ...", flush=True)
     serve.run(build_app(cfg.to_dict()), name="pdserve", route_prefix="/")
     if args.grpc_port:
         serve.run(build_grpc_app(cfg.to_dict()), name="pdserve-grpc", route_prefix="/pdserve-grpc")

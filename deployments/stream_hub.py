@@ -1,11 +1,13 @@
 """One `StreamHub` actor per ingress replica: workers push tokens into it, the replica long-polls it.
 
     prefill worker ──first token──▶ ┐
-    decode worker ──tokens/step───▶ ├─▶ StreamHub (dedupe by offset) ◀── next(rid) ── ingress replica
+    decode worker ──tokens/step───▶ ├─▶ StreamHub (dedupe by offset) ◀── next_all() ── ingress replica
     (a migrated request's new worker) ┘
 
 The router never sees a token. A Serve replica cannot be called by other actors directly, so the
-hub stands in for it; it lives and dies with the replica that created it.
+hub stands in for it; it lives and dies with the replica that created it. The replica has one poll
+in flight for all of its streams, not one per request: with many concurrent streams, a call per
+request per step cost more CPU than the tokens themselves (see RouterBackend).
 """
 
 from __future__ import annotations
@@ -79,26 +81,27 @@ class StreamHub:
         s = self._streams.get(request_id)
         return None if s is None else list(s.delivered)
 
-    async def next(self, request_id: str, timeout_s: float) -> list[StreamEvent] | None:
-        """Everything new for `request_id`, waiting up to `timeout_s`; [] on timeout, None if unknown."""
+    async def next_all(self, timeout_s: float) -> dict[str, list[StreamEvent]]:
+        """Everything new on every stream, waiting up to `timeout_s` for something; {} on timeout.
+        A hub has one consumer (its replica's RouterBackend): what this returns is gone from the hub."""
         deadline = time.monotonic() + timeout_s
         async with self._cond:
             while True:
-                s = self._streams.get(request_id)
-                if s is None:
-                    return None
-                if s.queue:
-                    out, s.queue = s.queue, []
-                    if s.done:
-                        del self._streams[request_id]
+                out = {}
+                for rid, s in list(self._streams.items()):
+                    if s.queue:
+                        out[rid], s.queue = s.queue, []
+                        if s.done:
+                            del self._streams[rid]
+                if out:
                     return out
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return []
+                    return {}
                 try:
                     await asyncio.wait_for(self._cond.wait(), left)
                 except asyncio.TimeoutError:
-                    return []
+                    return {}
 
     async def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

@@ -259,7 +259,8 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
 
 @ray.remote(max_concurrency=32)
 class DecodeWorker(_EngineWorker):
-    """Pulls prefilled KV, decodes in one continuous batch, reports to the router after every step."""
+    """Pulls prefilled KV, decodes in one continuous batch, reports to the router after every step.
+    Colocated (no prefill pool), it prefills its requests itself (`resume`)."""
 
     role = "decode"
 
@@ -291,19 +292,21 @@ class DecodeWorker(_EngineWorker):
         self._wake.set()
         return True
 
-    def resume(self, req: GenRequest) -> bool:
-        """Take over a sequence whose decode worker died, recomputing its KV here (prompt plus every
-        token the client already has) in this worker's own continuous batch: chunked prefill mixed
-        with the running decodes, so it neither queues behind new prompts on the prefill pool nor
-        waits for a transfer. False if this engine refuses it (the router then goes through prefill)."""
+    def resume(self, req: GenRequest) -> bool | str:
+        """Run `req` whole here: prefill included, as chunks mixed into this worker's running batch.
+
+        Two uses: colocated serving (no prefill pool), and taking over a sequence whose decode worker
+        died (its prompt then holds every token the client already has). A moved sequence so neither
+        queues behind new prompts on the prefill pool nor waits for a transfer. Returns True, or the
+        engine's reason for refusing it (the router then fails it, or goes through prefill)."""
         with self.lock:
             self._aborted.discard(req.request_id)
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         arrival_time=_engine_arrival(req))
-            except ValueError:
-                logger.warning("%s: cannot resume %s here", self.worker_id, req.request_id, exc_info=True)
-                return False
+            except ValueError as exc:
+                logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
+                return str(exc) or type(exc).__name__
             self.requests[req.request_id] = req
         self._wake.set()
         return True
@@ -318,6 +321,9 @@ class DecodeWorker(_EngineWorker):
     def snapshot(self) -> dict:
         with self.lock:
             return {"decoding": list(self.requests.values())}
+
+    def kv_stats(self) -> dict:
+        return self.kv_importer.stats()
 
     def close(self) -> None:
         self.kv_importer.close()
