@@ -5,7 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from typing import Any, AsyncIterator
+
+import ray
 
 from deployments import metrics
 from deployments.backend import QueueFullError, TokenDelta
@@ -26,6 +29,8 @@ class RouterBackend:
         self.request_timeout_s = request_timeout_s
         self._queues: dict[str, asyncio.Queue] = {}
         self._poller: asyncio.Task | None = None
+        self._consumer = f"{hub_id}-{uuid.uuid4().hex[:8]}"  # this backend's streams in the hub
+        self._acked = 0  # hub sequence number of the last event received
 
     def _ensure_poller(self) -> None:
         """One long poll of the hub for every open stream of this replica (per event loop)."""
@@ -35,12 +40,17 @@ class RouterBackend:
     async def _poll(self) -> None:
         while self._queues:
             try:
-                batch = await self.hub.next_all.remote(POLL_S)
-            except Exception:  # noqa: BLE001 - the hub died (it lives with this replica): streams are lost
+                batch, last = await self.hub.next_all.remote(self._consumer, self._acked, POLL_S)
+            except ray.exceptions.RayActorError:  # the hub died (it lives with this replica): streams are lost
                 logger.exception("stream hub %s is gone", self.hub_id)
                 for q in self._queues.values():
                     q.put_nowait(_LOST)
                 return
+            except Exception:  # noqa: BLE001 - e.g. a transient RPC error: the events wait in the hub
+                logger.warning("polling stream hub %s failed; retrying", self.hub_id, exc_info=True)
+                await asyncio.sleep(0.05)
+                continue
+            self._acked = last
             for rid, events in batch.items():
                 q = self._queues.get(rid)
                 if q is not None:
@@ -49,7 +59,7 @@ class RouterBackend:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[TokenDelta]:
         timer = metrics.RequestTimer()
-        await self.hub.open.remote(request_id)
+        await self.hub.open.remote(request_id, self._consumer)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         req = GenRequest(request_id, list(prompt_token_ids), params, self.hub_id, self.hub, priority=priority,

@@ -7,7 +7,9 @@
 The router never sees a token. A Serve replica cannot be called by other actors directly, so the
 hub stands in for it; it lives and dies with the replica that created it. The replica has one poll
 in flight for all of its streams, not one per request: with many concurrent streams, a call per
-request per step cost more CPU than the tokens themselves (see RouterBackend).
+request per step cost more CPU than the tokens themselves (see RouterBackend). Reads are acknowledged:
+an event stays in the hub until its consumer's next poll says it got it, so a poll whose caller went
+away (a cancelled task, a closed event loop) loses nothing.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from deployments.messages import StreamEvent
 
 
 class _Stream:
-    __slots__ = ("queue", "next_offset", "done", "touched", "delivered", "early")
+    __slots__ = ("owner", "queue", "next_offset", "done", "touched", "delivered", "early")
 
-    def __init__(self) -> None:
-        self.queue: list[StreamEvent] = []
+    def __init__(self, owner: str) -> None:
+        self.owner = owner  # the consumer (RouterBackend) that polls this stream
+        self.queue: list[tuple[int, StreamEvent]] = []  # (hub sequence number, event), not yet acknowledged
         self.next_offset = 0
         self.done = False
         self.touched = time.monotonic()
@@ -37,9 +40,10 @@ class StreamHub:
     def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
         self._cond = asyncio.Condition()
+        self._seq = 0
 
-    async def open(self, request_id: str) -> None:
-        self._streams[request_id] = _Stream()
+    async def open(self, request_id: str, owner: str = "") -> None:
+        self._streams[request_id] = _Stream(owner)
 
     async def push(self, events: list[StreamEvent]) -> None:
         """Called fire-and-forget by workers, once per step with all of that step's events."""
@@ -62,8 +66,7 @@ class StreamHub:
                             progressed = True
             self._cond.notify_all()
 
-    @staticmethod
-    def _accept(s: _Stream, ev: StreamEvent) -> None:
+    def _accept(self, s: _Stream, ev: StreamEvent) -> None:
         # NOTE: drop what the client already has (a migrated request restarts from `offset`).
         skip = s.next_offset - ev.offset
         if skip > 0:
@@ -72,7 +75,8 @@ class StreamHub:
         s.next_offset += len(ev.token_ids)
         s.delivered.extend(ev.token_ids)
         if ev.token_ids or ev.finished:
-            s.queue.append(ev)
+            self._seq += 1
+            s.queue.append((self._seq, ev))
         s.done = ev.finished
         s.touched = time.monotonic()
 
@@ -81,27 +85,35 @@ class StreamHub:
         s = self._streams.get(request_id)
         return None if s is None else list(s.delivered)
 
-    async def next_all(self, timeout_s: float) -> dict[str, list[StreamEvent]]:
-        """Everything new on every stream, waiting up to `timeout_s` for something; {} on timeout.
-        A hub has one consumer (its replica's RouterBackend): what this returns is gone from the hub."""
+    async def next_all(self, owner: str, ack: int, timeout_s: float) -> tuple[dict[str, list[StreamEvent]], int]:
+        """Everything after sequence number `ack` on `owner`'s streams, waiting up to `timeout_s` for
+        something: ({request_id: events}, the last sequence number in it). Passing `ack` says every
+        event up to it was received: those are dropped, and finished streams with them."""
         deadline = time.monotonic() + timeout_s
         async with self._cond:
             while True:
-                out = {}
+                out: dict[str, list[StreamEvent]] = {}
+                last = ack
                 for rid, s in list(self._streams.items()):
-                    if s.queue:
-                        out[rid], s.queue = s.queue, []
+                    if s.owner != owner:
+                        continue
+                    if s.queue and s.queue[0][0] <= ack:
+                        s.queue = [(q, ev) for q, ev in s.queue if q > ack]
+                    if not s.queue:
                         if s.done:
                             del self._streams[rid]
+                        continue
+                    out[rid] = [ev for _, ev in s.queue]
+                    last = max(last, s.queue[-1][0])
                 if out:
-                    return out
+                    return out, last
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return {}
+                    return {}, ack
                 try:
                     await asyncio.wait_for(self._cond.wait(), left)
                 except asyncio.TimeoutError:
-                    return {}
+                    return {}, ack
 
     async def close(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
