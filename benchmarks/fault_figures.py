@@ -132,6 +132,10 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=1.5)
     p.add_argument("--kill-at", type=float, default=6.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-mb", type=int, default=2048,
+                   help="KV pool per worker (the server's default). With too small a pool the survivor cannot "
+                        "hold the dead worker's sequences, and they wait for the replacement to load its model")
+    p.add_argument("--burst-kv-cache-mb", type=int, default=128, help="KV pool per worker in the burst phase")
     args = p.parse_args(argv)
 
     reqs = workload(args.num_requests, args.seed)
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
         # Phase 1 runs fixed pools (1 prefill + 2 decode), so the stall measures recovery alone and not
         # a prefill scale-up that happens to start at the same time; phase 2 gets a fresh app that scales.
         cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, health_check_timeout_s=5.0,
-                          kv_cache_memory_mb=128)
+                          kv_cache_memory_mb=args.kv_cache_mb)
         router = get_or_create_router(cfg)
         ray.get(router.wait_ready.remote(600), timeout=700)
         backend = RouterBackend(router, StreamHub.remote(), "hub-figures", request_timeout_s=300)
@@ -167,8 +171,10 @@ def main(argv=None) -> int:
                                       for d in stats['decisions']])
         print("\nprefill burst (fresh app: 1 prefill worker, may scale to 2) ...", flush=True)
         shutdown_router()
+        # NOTE: a small pool here: a CPU worker zero-fills its whole KV pool at start (2 GB: seconds on a
+        # busy 2-core box), which would hide the scaling path's own latency (a GPU allocates at once).
         cfg = replace(cfg, prefill_max_workers=2, prefill_target_queued_tokens=1024, upscale_delay_s=1.0,
-                      downscale_delay_s=30.0)
+                      downscale_delay_s=30.0, kv_cache_memory_mb=args.burst_kv_cache_mb)
         router = get_or_create_router(cfg)
         ray.get(router.wait_ready.remote(600), timeout=700)
         backend = RouterBackend(router, StreamHub.remote(), "hub-burst", request_timeout_s=300)

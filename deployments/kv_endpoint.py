@@ -166,6 +166,11 @@ class KVImporter:
         with self._lock:
             self._engine.free_blocks(block_ids)
 
+    def connect(self, peer: str, exporter: ray.actor.ActorHandle, timeout_s: float | None = None) -> None:
+        """Open the channel to exporter `peer` now, so that the first pull from it does not pay for the
+        rendezvous (a TCP store, a gloo group or an NCCL communicator: seconds on a busy CPU node)."""
+        self._ensure_channel(peer, exporter, timeout_s or self.timeout_s)
+
     def _ensure_channel(self, peer: str, exporter: ray.actor.ActorHandle, timeout_s: float) -> None:
         with self._open_locks_lock:
             lock = self._open_locks.setdefault(peer, threading.Lock())

@@ -37,6 +37,7 @@ from kv_transfer import KVHandle
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 6
+REPLACE_WAIT_S = 10.0  # longest a dead decode worker's replacement waits for its moved sequences
 WORKER_PREFIX = "pdserve-"
 
 
@@ -89,6 +90,7 @@ class Router:
                          "migrations": 0, "transfer_failures": 0, "admitted": 0, "worker_deaths": 0,
                          "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0, "rebalanced": 0}
         self.scale = {"prefill": _ScaleState(), "decode": _ScaleState()}
+        self._replacing = {"prefill": 0, "decode": 0}  # dead workers whose replacement is pending
         self.decisions: deque[dict] = deque(maxlen=100)
         self._next_id = {"prefill": 0, "decode": 0}
         self._ready = asyncio.Event()
@@ -176,10 +178,28 @@ class Router:
 
     async def _until_ready(self, w: _Worker) -> None:
         w.info = await w.actor.info.remote()
+        await self._open_kv_channels(w)
         w.ready, w.ready_at = True, time.time()
         asyncio.get_event_loop().create_task(self._watch(w))
         self._flush_unplaced()
         self._admit()
+
+    async def _open_kv_channels(self, w: _Worker) -> None:
+        """Before a worker takes work, open its KV channels to the other pool's ready workers: otherwise
+        the first sequence handed over between a new pair waits for the rendezvous, a stall its client
+        sees (measured at seconds on a busy 2-core node, right when a replacement joins)."""
+        if w.role == "decode":
+            pairs = [(w, p) for p in self.prefill.values() if p.ready]
+        else:
+            pairs = [(d, w) for d in self.decode.values() if d.ready]
+        if not pairs:
+            return
+        calls = [d.actor.connect_kv.remote(p.worker_id, p.actor) for d, p in pairs]
+        try:
+            await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True),
+                                   self.config.kv_transfer_timeout_s)
+        except asyncio.TimeoutError:
+            logger.warning("opening KV channels for %s timed out; the first pulls will open them", w.worker_id)
 
     async def _watch(self, w: _Worker) -> None:
         """Notice a worker's death the moment Ray does (a call in flight on it fails), not at the next
@@ -506,9 +526,41 @@ class Router:
                 lost.append((t, "migrations"))
         for t, counter in lost:
             await self._requeue(t, f"{w.worker_id} died", counter)
-        lo, _ = self.config.pool_bounds(w.role)
-        while len(self.pools[w.role]) < max(lo, self.scale[w.role].desired):
-            asyncio.get_event_loop().create_task(self._until_ready(self._spawn(w.role)))
+        self._replacing[w.role] += 1
+        asyncio.get_event_loop().create_task(self._replace(w.role, [t for t, c in lost if c == "migrations"]))
+
+    async def _replace(self, role: str, moved: list[_Tracked]) -> None:
+        """Bring `role`'s pool back to its size, once the sequences `moved` off a dead worker have been
+        recomputed (or REPLACE_WAIT_S passed): a new worker loading its model takes CPU (on a CPU node,
+        the very cores) the survivors need for that recompute, and every client of a moved sequence
+        is stalled until it is done. On GPUs the recompute takes milliseconds, so this costs nothing."""
+        try:
+            if any(w.ready and not w.draining for w in self.pools[role].values()):  # else nowhere to go
+                await self._moved_settled(moved)
+        finally:
+            self._replacing[role] -= 1
+        lo, _ = self.config.pool_bounds(role)
+        while len(self.pools[role]) < max(lo, self.scale[role].desired):
+            asyncio.get_event_loop().create_task(self._until_ready(self._spawn(role)))
+
+    async def _moved_settled(self, moved: list[_Tracked]) -> None:
+        deadline = time.monotonic() + REPLACE_WAIT_S
+        marks: dict[str, int] = {}  # request id -> its new worker's step count when it joined there
+        while moved and time.monotonic() < deadline:
+            waiting = False
+            for t in moved:
+                rid = t.req.request_id
+                if self.tracked.get(rid) is not t:
+                    continue  # finished or aborted
+                w = self.decode.get(t.worker_id or "")
+                if t.stage != "decode" or w is None:
+                    waiting = True
+                    continue
+                marks.setdefault(rid, w.num_steps)
+                waiting |= w.num_steps < marks[rid] + 2  # a whole step ran after it joined
+            if not waiting:
+                break
+            await asyncio.sleep(0.05)
 
     # ------------------------------------------------------------------ autoscaling
     def _decide(self, pool: str, action: str, frm: int, to: int, reason: str) -> None:
@@ -555,7 +607,7 @@ class Router:
                 if direction != st.signal_dir:
                     st.signal_dir, st.signal_since = direction, now
                 held = now - (st.signal_since or now)
-                if direction > 0 and held >= c.upscale_delay_s:
+                if direction > 0 and held >= c.upscale_delay_s and not self._replacing[pool]:
                     self._decide(pool, "scale_up", len(active), want, reason)
                     self.counters["scale_ups"] += 1
                     for _ in range(want - len(active)):

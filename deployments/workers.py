@@ -325,6 +325,16 @@ class DecodeWorker(_EngineWorker):
     def kv_stats(self) -> dict:
         return self.kv_importer.stats()
 
+    def connect_kv(self, prefill_id: str, prefill_actor: Any) -> bool:
+        """Open the KV channel to a prefill worker ahead of the first pull; False if it failed (the
+        first pull then tries again)."""
+        try:
+            self.kv_importer.connect(prefill_id, prefill_actor)
+            return True
+        except KVTransferError as exc:
+            logger.warning("%s: could not open a KV channel to %s: %r", self.worker_id, prefill_id, exc)
+            return False
+
     def close(self) -> None:
         self.kv_importer.close()
         self.shutdown()
