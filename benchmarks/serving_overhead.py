@@ -87,7 +87,10 @@ def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int) -> 
 
     from deployments.app import build_app, shutdown_router
 
+    from deployments.config import apply_ray_env_defaults
+
     port = _free_port()
+    apply_ray_env_defaults()  # as `pdserve serve` does when it starts Ray
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

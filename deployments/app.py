@@ -96,11 +96,11 @@ def build_grpc_app(args: dict | None = None) -> serve.Application:
 
     cfg = ServeConfig.from_dict(args or {})
     # NOTE: 0 CPUs like the HTTP ingress: the workers hold the CPUs, the ingress only relays.
-    return GRPCIngress.options(ray_actor_options={"num_cpus": 0}).bind(
+    return GRPCIngress.options(ray_actor_options={"num_cpus": 0}, **cfg.ingress_options()).bind(
         functools.partial(_router_serving_state, cfg.to_dict()))
 
 
 def build_app(args: dict | None = None) -> serve.Application:
     """Build the pdserve application from a settings dict (see README "Server settings")."""
     cfg = ServeConfig.from_dict(args or {})
-    return OpenAIIngress.options(num_replicas=cfg.ingress_replicas).bind(cfg.to_dict())
+    return OpenAIIngress.options(**cfg.ingress_options()).bind(cfg.to_dict())

@@ -3,11 +3,26 @@ the actors. Every field is documented in README.md ("Server settings")."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from engine import EngineConfig
 from engine.errors import EngineConfigError
+
+
+# Ray settings for a Ray instance pdserve starts itself (an existing cluster keeps its own). Serve's
+# controller loop runs every 0.1 s by default; here it only watches the ingress replicas (the router
+# scales the worker pools), and on a small CPU node every 0.1 s cost 2.5% of a core, time taken from
+# the engine's threads.
+RAY_ENV_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0"}
+
+
+def apply_ray_env_defaults() -> None:
+    """Set `RAY_ENV_DEFAULTS` in this process's environment (not overriding the user's) before
+    `ray.init` starts a local Ray, whose processes inherit it."""
+    for k, v in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(k, v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +68,9 @@ class ServeConfig:
     http_host: str = "127.0.0.1"
     http_port: int = 8000
     ingress_replicas: int = 1
+    # Serve autoscales the ingress on ongoing requests per replica when this exceeds ingress_replicas.
+    ingress_max_replicas: int | None = None
+    ingress_target_ongoing_requests: float = 64.0
 
     def __post_init__(self) -> None:
         for name in ("num_decode_workers", "threads_per_worker", "max_queued_requests"):
@@ -75,6 +93,12 @@ class ServeConfig:
             elif not (1 <= lo <= n <= hi):
                 raise EngineConfigError(f"need 1 <= {pool}_min_workers ({lo}) <= num_{pool}_workers ({n}) "
                                         f"<= {pool}_max_workers ({hi})")
+        if self.ingress_replicas < 1 or self.ingress_max_replicas is not None and \
+                self.ingress_max_replicas < self.ingress_replicas:
+            raise EngineConfigError(f"need 1 <= ingress_replicas ({self.ingress_replicas}) <= ingress_max_replicas "
+                                    f"({self.ingress_max_replicas})")
+        if self.ingress_target_ongoing_requests <= 0:
+            raise EngineConfigError("ingress_target_ongoing_requests must be > 0")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0 or self.autoscale_interval_s <= 0:
             raise EngineConfigError("upscale_delay_s / downscale_delay_s must be >= 0, autoscale_interval_s > 0")
         self.engine_config()  # checks the engine fields too
@@ -84,6 +108,16 @@ class ServeConfig:
         """No prefill pool: every decode worker runs whole requests (chunked prefill mixed into its
         decode batch), as one engine would. Nothing moves over the KV transport."""
         return self.num_prefill_workers == 0
+
+    def ingress_options(self) -> dict[str, Any]:
+        """Serve deployment options for the ingress: a fixed replica count, or Serve's autoscaling on
+        ongoing requests between `ingress_replicas` and `ingress_max_replicas`."""
+        hi = self.ingress_max_replicas or self.ingress_replicas
+        if hi == self.ingress_replicas:
+            return {"num_replicas": self.ingress_replicas}
+        return {"autoscaling_config": {"min_replicas": self.ingress_replicas, "initial_replicas": self.ingress_replicas,
+                                       "max_replicas": hi,
+                                       "target_ongoing_requests": self.ingress_target_ongoing_requests}}
 
     def pool_bounds(self, pool: str) -> tuple[int, int]:
         n = getattr(self, f"num_{pool}_workers")

@@ -43,7 +43,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from deployments.app import build_app, build_grpc_app, shutdown_router
     from deployments.grpc_ingress import grpc_options
-    from deployments.config import ServeConfig
+    from deployments.config import ServeConfig, apply_ray_env_defaults
 
     cfg = ServeConfig(
         model=args.model, model_name=args.model_name, num_prefill_workers=args.prefill_workers,
@@ -59,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.address:
         ray.init(address=args.address)
     else:
+        apply_ray_env_defaults()
         needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
         ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False)
     serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port},

@@ -1,0 +1,25 @@
+"""ServeConfig: the ingress scales with Serve's own autoscaling when its max exceeds its start size."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.app import build_app, build_grpc_app
+from deployments.config import ServeConfig
+from engine.errors import EngineConfigError
+
+
+def test_ingress_autoscales_on_ongoing_requests_when_max_exceeds_start():
+    for build in (build_app, build_grpc_app):
+        auto = build({"ingress_max_replicas": 3, "ingress_target_ongoing_requests": 16})._bound_deployment
+        cfg = auto._deployment_config.autoscaling_config
+        assert (cfg.min_replicas, cfg.max_replicas, cfg.target_ongoing_requests) == (1, 3, 16)
+        fixed = build({"ingress_replicas": 2})._bound_deployment._deployment_config
+        assert fixed.autoscaling_config is None and fixed.num_replicas == 2
+
+
+@pytest.mark.parametrize("bad", [{"ingress_replicas": 0}, {"ingress_replicas": 2, "ingress_max_replicas": 1},
+                                 {"ingress_target_ongoing_requests": 0}])
+def test_bad_ingress_settings_name_the_field(bad):
+    with pytest.raises(EngineConfigError, match="ingress"):
+        ServeConfig(**bad)
