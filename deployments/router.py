@@ -385,8 +385,11 @@ class Router:
             w.report = replace(w.report, num_free_blocks=w.report.num_free_blocks - (need - 1),
                                num_running=w.report.num_running + 1)
 
-    async def _requeue(self, t: _Tracked, why: str, counter: str) -> None:
-        """Prefill again from the prompt plus every token the client already has, then decode on."""
+    async def _requeue(self, t: _Tracked, why: str, counter: str, moving: dict[str, int] | None = None) -> None:
+        """Prefill again from the prompt plus every token the client already has, then decode on.
+
+        `moving`: recompute tokens already given to each worker in this batch of moves (a dead decode
+        worker's sequences), so that they are spread over the survivors and the prefill pool."""
         if t.stage == "requeueing":  # the death watch and a failed call may both report it
             return
         t.stage = "requeueing"
@@ -414,18 +417,29 @@ class Router:
         params = replace(t.params, max_tokens=remaining, min_tokens=max(0, t.params.min_tokens - n))
         t.req = replace(req, prompt_token_ids=prompt, params=params, offset=n, attempt=req.attempt + 1)
         t.handle = None
-        if counter == "migrations" and self._resume_on_decode(t):
+        if counter == "migrations" and self._resume_on_decode(t, moving if moving is not None else {}):
             return
         self._place_prefill(rid)
 
-    def _resume_on_decode(self, t: _Tracked) -> bool:
+    def _resume_on_decode(self, t: _Tracked, moving: dict[str, int]) -> bool:
         """Move a sequence of a dead decode worker straight to a live one, which recomputes its KV in
         its running batch. The prefill pool may be a full step (seconds on a CPU) and a queue of new
-        prompts away; this way the client's stall is about one chunked prefill of its sequence."""
-        need = -(-len(t.req.prompt_token_ids) // self.config.block_size) + 1
+        prompts away; this way the client's stall is about one chunked prefill of its sequence.
+
+        When several sequences move at once, one survivor recomputing them all would stall each client
+        for all of them: a sequence goes to the prefill pool instead (then over KV transfer, in
+        parallel) when the least loaded prefill worker has fewer queued tokens than the survivor has
+        been given to recompute in this batch. False: the caller sends it through prefill."""
+        n = len(t.req.prompt_token_ids)
+        need = -(-n // self.config.block_size) + 1
         w = self._pick_decode(need)
         if w is None:
             return False
+        prefill = [p for p in self.prefill.values() if p.ready and not p.draining]
+        if prefill and min(p.queued_prompt_tokens for p in prefill) < moving.get(w.worker_id, 0):
+            moving["prefill"] = moving.get("prefill", 0) + n
+            return False
+        moving[w.worker_id] = moving.get(w.worker_id, 0) + n
         self._run_whole(t, w, need)
         return True
 
@@ -524,8 +538,12 @@ class Router:
                 lost.append((t, "retries"))
             elif w.role == "decode" and t.worker_id == w.worker_id and t.stage in ("admitting", "decode"):
                 lost.append((t, "migrations"))
+        lost.sort(key=lambda x: (x[0].req.priority, x[0].req.arrival_time or 0.0))
+        moving: dict[str, int] = {}
         for t, counter in lost:
-            await self._requeue(t, f"{w.worker_id} died", counter)
+            await self._requeue(t, f"{w.worker_id} died", counter, moving)
+        if len([t for t, c in lost if c == "migrations"]) > 1:
+            logger.info("moved %s's sequences: recompute tokens by destination %s", w.worker_id, moving)
         self._replacing[w.role] += 1
         asyncio.get_event_loop().create_task(self._replace(w.role, [t for t, c in lost if c == "migrations"]))
 
