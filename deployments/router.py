@@ -317,6 +317,11 @@ class Router:
             blocks, running = w.report.num_free_blocks, w.report.num_running + w.report.num_waiting
         return blocks - w.reserved_blocks, self.config.max_num_seqs - running - w.reserved_seqs
 
+    def _blocks_needed(self, num_tokens: int) -> int:
+        """Blocks to reserve for a sequence joining a decode worker: its tokens plus one block of growth,
+        so that it does not preempt at once."""
+        return -(-num_tokens // self.config.block_size) + 1
+
     def _pick_decode(self, need: int) -> _Worker | None:
         """The ready decode worker with the most free blocks, if it has `need` blocks and a slot."""
         best, best_free = None, -1
@@ -338,16 +343,15 @@ class Router:
         still: list[str] = []
         for rid in self.pending_decode:
             t = self.tracked[rid]
-            # Room for the prompt plus a block of growth, so a new sequence does not preempt at once.
             if t.handle is None:  # colocated: the decode worker prefills it too
-                need = -(-len(t.req.prompt_token_ids) // self.config.block_size) + 1
+                need = self._blocks_needed(len(t.req.prompt_token_ids))
                 best = self._pick_decode(need)
                 if best is None:
                     still.append(rid)
                 else:
                     self._run_whole(t, best, need)
                 continue
-            need = -(-t.handle.num_tokens // self.config.block_size) + 1
+            need = self._blocks_needed(t.handle.num_tokens)
             best = self._pick_decode(need)
             prefill = self.prefill.get(t.prefill_worker_id or "")
             if best is None or prefill is None:
@@ -431,7 +435,7 @@ class Router:
         parallel) when the least loaded prefill worker has fewer queued tokens than the survivor has
         been given to recompute in this batch. False: the caller sends it through prefill."""
         n = len(t.req.prompt_token_ids)
-        need = -(-n // self.config.block_size) + 1
+        need = self._blocks_needed(n)
         w = self._pick_decode(need)
         if w is None:
             return False
@@ -542,10 +546,11 @@ class Router:
         moving: dict[str, int] = {}
         for t, counter in lost:
             await self._requeue(t, f"{w.worker_id} died", counter, moving)
-        if len([t for t, c in lost if c == "migrations"]) > 1:
+        moved = [t for t, c in lost if c == "migrations"]
+        if len(moved) > 1:
             logger.info("moved %s's sequences: recompute tokens by destination %s", w.worker_id, moving)
         self._replacing[w.role] += 1
-        asyncio.get_event_loop().create_task(self._replace(w.role, [t for t, c in lost if c == "migrations"]))
+        asyncio.get_event_loop().create_task(self._replace(w.role, moved))
 
     async def _replace(self, role: str, moved: list[_Tracked]) -> None:
         """Bring `role`'s pool back to its size, once the sequences `moved` off a dead worker have been
