@@ -67,7 +67,8 @@ class PrefillActor(KVExportMixin):
 
     def synthetic(self, rid: str, num_tokens: int):
         blocks = self.engine.allocate_blocks(num_tokens)
-        self.engine.runner.kv_cache[:, :, blocks].normal_()
+        cache = self.engine.runner.kv_cache
+        cache[blocks] = torch.randn((len(blocks),) + cache.shape[1:], dtype=cache.dtype)
         self.kv_exporter.synthetic[rid] = blocks
         return self.kv_exporter.leases.grant(rid, blocks, num_tokens, 0)
 

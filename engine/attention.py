@@ -45,7 +45,8 @@ class DecodeBucket:
 class AttentionMetadata:
     """Built by the model runner once per step; read by every layer."""
 
-    slot_mapping: torch.Tensor  # [T] flat slot of each new token: block * block_size + offset
+    slot_blocks: torch.Tensor  # [T] the block each new token's K/V goes to
+    slot_offsets: torch.Tensor  # [T] its offset in that block
     decode: list[DecodeBucket]
     prefills: list[PrefillSeq]  # multi-token chunks, one SDPA call each
 
@@ -94,10 +95,11 @@ class KVWorkspace:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k_cache: [num_blocks, block_size, kv_heads, head_dim]; k: [T, kv_heads, head_dim]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+             meta: AttentionMetadata) -> None:
+    """k_cache: [num_blocks, block_size, kv_heads, head_dim] (one layer's view of the cache: blocks
+    are strided by the whole block, all layers); k: [T, kv_heads, head_dim]."""
+    k_cache.index_put_((meta.slot_blocks, meta.slot_offsets), k)
+    v_cache.index_put_((meta.slot_blocks, meta.slot_offsets), v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -32,10 +32,13 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.block_size = block_size
         self.num_blocks = num_blocks
-        # NOTE: the one KV tensor of this worker: [layers, 2, num_blocks, block_size, kv_heads, head_dim].
-        # kv_transfer packs and scatters blocks along dim 2.
+        # NOTE: the one KV tensor of this worker: [num_blocks, layers, 2, block_size, kv_heads, head_dim].
+        # Block-major: a block holds its tokens' K and V of every layer, so a run of block ids is one
+        # contiguous region, which kv_transfer sends in a few large messages straight from the cache
+        # (layer-major, it took 2 x layers messages, and their per-message cost was a third of a
+        # 512-token transfer). A layer's view `kv_cache[:, layer, k|v]` strides over whole blocks.
         self.kv_cache = torch.zeros(
-            self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+            num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim,
             dtype=self.dtype, device=self.device,
         )
         inner = hf_model.model
@@ -97,7 +100,7 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        slot_blocks: list[int] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -112,7 +115,7 @@ class ModelRunner:
             input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             table = req.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            slot_blocks.extend(table[p // bs] for p in range(start, end))
             if chunk.num_new_tokens == 1:
                 decode_rows.append(row0)
                 decode_tables.append(table)
@@ -123,13 +126,14 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_offsets=pos % bs,
             decode=decode_buckets(decode_rows, decode_tables, decode_lens, bs, dev) if decode_rows else [],
             prefills=prefills,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long, device=dev)
 
     # ------------------------------------------------------------------ forward
@@ -156,8 +160,8 @@ class ModelRunner:
                 k = attn.k_norm(k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            k_cache, v_cache = self.kv_cache[li, 0], self.kv_cache[li, 1]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            k_cache, v_cache = self.kv_cache[:, li, 0], self.kv_cache[:, li, 1]
+            write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
             h = residual + attn.o_proj(o.reshape(num_tokens, -1))
             residual = h

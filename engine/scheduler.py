@@ -40,7 +40,7 @@ class SchedulerOutput:
 class Scheduler:
     """Chooses which requests run each step and keeps their block tables.
 
-    It asks the block manager only `blocks_for_tokens / can_allocate / allocate / free`.
+    It asks the block manager only `blocks_for_tokens / can_allocate / allocate / allocate_contiguous / free`.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
@@ -198,7 +198,10 @@ class Scheduler:
             if self.config.batching != "continuous":
                 self._batch_quota -= 1
             if need > 0:
-                req.block_table.extend(bm.allocate(need))
+                # A prefill-only request's blocks are sent to a decode worker: as one run of ids they
+                # go on the wire straight from the cache, with no packing copy (kv_transfer.protocol).
+                run = bm.allocate_contiguous(need) if req.prefill_only and not req.block_table else None
+                req.block_table.extend(run or bm.allocate(need))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             samples = req.num_computed_tokens + num_new == req.num_tokens

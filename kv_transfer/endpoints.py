@@ -14,7 +14,7 @@ from kv_transfer.errors import (EpochMismatchError, KVTransferError, LeaseExpire
                                 ReceiverOutOfBlocksError)
 from kv_transfer.handle import KVHandle, KVLayout
 from kv_transfer.lease import LeaseTable
-from kv_transfer.protocol import Status, recv_kv, send_kv, send_status
+from kv_transfer.protocol import Status, post_recv_kv, recv_kv, send_kv, send_status
 from kv_transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,9 @@ class KVReceiver:
                 started = True
                 start_push()
                 try:
-                    recv_kv(channel, self.kv_cache, handle, block_ids, timeout_s)
+                    # posted while the push request travels: no message waits for its receive
+                    posted = post_recv_kv(channel, self.kv_cache, handle, block_ids)
+                    recv_kv(channel, self.kv_cache, handle, block_ids, timeout_s, posted)
                 except (LeaseExpiredError, EpochMismatchError):
                     raise  # refused by a status header: the stream is still in step
                 except BaseException:

@@ -20,9 +20,9 @@ class KVLayout:
 
     @classmethod
     def of(cls, kv_cache: torch.Tensor) -> KVLayout:
-        """The layout of an engine's cache tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
-        assert kv_cache.dim() == 6 and kv_cache.shape[1] == 2, f"not a KV cache: {tuple(kv_cache.shape)}"
-        layers, _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        """The layout of an engine's cache tensor [num_blocks, layers, 2, block_size, kv_heads, head_dim]."""
+        assert kv_cache.dim() == 6 and kv_cache.shape[2] == 2, f"not a KV cache: {tuple(kv_cache.shape)}"
+        _, layers, _, block_size, kv_heads, head_dim = kv_cache.shape
         return cls(layers, kv_heads, head_dim, str(kv_cache.dtype).removeprefix("torch."), block_size)
 
     @property
@@ -36,7 +36,7 @@ class KVLayout:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def packed_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -57,6 +57,8 @@ class _NcclPending:
 
 
 class NcclChannel(Channel):
+    serial = True  # one stream: a posted receive blocks the sends queued after it
+
     def __init__(self, peer: str, rank: int, device: torch.device, timeout_s: float):
         super().__init__(peer)
         self.rank, self.device, self.timeout_s = rank, device, timeout_s

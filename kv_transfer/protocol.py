@@ -1,20 +1,29 @@
-"""One request's KV over one channel: header, one message per (layer, K/V) plane, acknowledgement.
+"""One request's KV over one channel: header, its blocks in a few chunks, acknowledgement.
 
     sender (prefill, holds the lease)             receiver (decode)
                                                   allocate blocks (fail: ReceiverOutOfBlocksError)
-                                                  lock channel, ask the sender to push
-    lock channel, pin lease (fail: error header)
+                                                  lock channel, ask the sender to push,
+                                                  post the header's and every chunk's receive
+    lock channel, pin lease (fail: error header,
+      then filler chunks), post the ack's receive
     header [magic,status,req,epoch,nblk,ntok,nmsg,chk] ->  check it against the handle
-    plane (layer 0, K) -------------------------->  recv into the cache, or into staging
-    plane (layer 0, V) -------------------------->    then scattered a layer group at a time
-    ...  (2 x layers messages)                      ...
+    chunk (blocks 0..k-1) ----------------------->  recv into the cache, or into staging
+    chunk (blocks k..2k-1) ---------------------->    then scattered a chunk at a time
+    ...  (~8 MiB each)                              ...
     wait ack <-------------------------------------- ack header [.., OK, req, epoch, ..]
     lease.ack -> free blocks                        blocks belong to the decode engine now
 
-A plane is `cache[layer, k|v, blocks]`: contiguous in the cache itself when a side's block ids are
-one run of consecutive ids. Then that side sends from (or receives into) its cache with no copy at
-all; otherwise it packs (or stages) a layer group at a time, overlapping the copy with the wire.
-Each side decides alone: the messages are the same either way.
+The cache is block-major (engine.model_runner), so a side whose block ids are one run of consecutive
+ids sends from (or receives into) its cache with no copy at all; otherwise it packs (or stages) a
+chunk at a time, overlapping the copy with the wire. Each side decides alone: the messages are the
+same either way. Few, large messages matter: each gloo send or receive costs ~50 us of Python and
+wake-ups on each side, and a layer-major cache needed 2 x layers of them (60 for SmolLM2).
+
+Every receive is posted before the first wait, on both sides: gloo moves a message only once its
+receive is posted, so a receive posted late (after the header was read, or the ack's after the last
+chunk) idles the wire for a wake-up and a round trip. A refusal therefore still sends every chunk
+(one reused buffer of filler, never read) so the receiver's posted receives complete and the stream
+stays in step; refusals are rare (a lease that ran out or was superseded).
 
 Any failure raises a typed error (kv_transfer.errors); the caller frees its side's blocks and drops
 the channel unless the error came cleanly from a status header (the stream is then still in step).
@@ -32,10 +41,10 @@ import torch
 from kv_transfer.errors import (EpochMismatchError, KVTransferError, LeaseExpiredError, ProtocolError,
                                 TransferTimeoutError)
 from kv_transfer.handle import KVHandle
-from kv_transfer.packing import layer_groups, pack_blocks, unpack_blocks
+from kv_transfer.packing import block_chunks, pack_blocks, unpack_blocks
 from kv_transfer.transport import Channel
 
-MAGIC = 0x4B565846_0002  # "KVXF", protocol version 2 (one message per plane)
+MAGIC = 0x4B565846_0003  # "KVXF", protocol version 3 (block-major chunks)
 HEADER_LEN = 8
 _MASK = (1 << 64) - 1
 
@@ -112,27 +121,35 @@ def _staging(channel: Channel, handle: KVHandle, device: torch.device) -> torch.
     return buf[:handle.nbytes].view(handle.layout.torch_dtype).view(handle.layout.packed_shape(handle.num_blocks))
 
 
+def chunks_for(handle: KVHandle, group_bytes: int = 8 << 20) -> list[slice]:
+    """The block ranges that go as one message each (the same on both sides)."""
+    return block_chunks(handle.layout, handle.num_blocks, group_bytes)
+
+
+def _tag(i: int) -> int:
+    # Each chunk has its own tag (header and ack use 0): gloo may pair outstanding sends and receives
+    # of one tag out of order, which for equal-sized chunks would go unnoticed.
+    return 1 + i
+
+
 def send_status(channel: Channel, handle: KVHandle, status: Status, timeout_s: float,
-                device: torch.device | str = "cpu") -> None:
-    """Tell the receiver this transfer will not happen (no blocks, no ack follow)."""
-    channel.isend(encode_header(status, handle, 0, device)).wait(timeout_s)
+                device: torch.device | str = "cpu", group_bytes: int = 8 << 20) -> None:
+    """Tell the receiver this transfer will not happen: the refusal header, then filler for every
+    chunk it has posted a receive for (no ack follows)."""
+    deadline = _Deadline(timeout_s)
+    chunks = chunks_for(handle, group_bytes)
+    longest = max(c.stop - c.start for c in chunks)
+    filler = torch.zeros(handle.layout.packed_shape(longest), dtype=handle.layout.torch_dtype, device=device)
+    sends = [channel.isend(encode_header(status, handle, 0, device))]
+    sends += [channel.isend(filler[:c.stop - c.start], _tag(i)) for i, c in enumerate(chunks)]
+    for s in sends:
+        s.wait(deadline.left())
 
 
 def _run_start(block_ids) -> int | None:
     """The first id if `block_ids` are consecutive (b, b+1, ...), else None."""
     b0 = block_ids[0]
     return b0 if all(b == b0 + i for i, b in enumerate(block_ids)) else None
-
-
-def _planes(kv: torch.Tensor, first_layer: int = 0) -> list[tuple[int, torch.Tensor]]:
-    """The wire messages of a [layers, 2, blocks, ...] tensor, (tag, plane) in order: (layer 0, K),
-    (layer 0, V), ... Each plane has its own tag (header and ack use 0): gloo may pair outstanding
-    sends and receives of one tag out of order, which for equal-sized planes would go unnoticed."""
-    return [(1 + 2 * (first_layer + layer) + i, kv[layer, i]) for layer in range(kv.shape[0]) for i in range(2)]
-
-
-def messages_for(handle: KVHandle) -> int:
-    return 2 * handle.layout.num_layers
 
 
 def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_s: float,
@@ -142,20 +159,24 @@ def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_
     The caller holds `channel.lock` and has validated (and pinned) the lease.
     """
     deadline = _Deadline(timeout_s)
-    sends = [channel.isend(encode_header(Status.OK, handle, messages_for(handle), kv_cache.device))]
+    chunks = chunks_for(handle, group_bytes)
+    ack = torch.empty(HEADER_LEN, dtype=torch.int64, device=kv_cache.device)
+    # Posted first (where that cannot hold the sends back): the receiver's ack then goes out at once.
+    ack_recv = None if channel.serial else channel.irecv(ack)
+    sends = [channel.isend(encode_header(Status.OK, handle, len(chunks), kv_cache.device))]
     b0 = _run_start(handle.block_ids)
-    if b0 is not None:  # zero copy: the planes are slices of the cache
-        sends += [channel.isend(p, tag) for tag, p in _planes(kv_cache[:, :, b0:b0 + handle.num_blocks])]
+    if b0 is not None:  # zero copy: the chunks are slices of the cache
+        run = kv_cache[b0:b0 + handle.num_blocks]
+        sends += [channel.isend(run[c], _tag(i)) for i, c in enumerate(chunks)]
     else:
         buf = _staging(channel, handle, kv_cache.device)
-        for g in layer_groups(handle.layout, handle.num_blocks, group_bytes):
-            pack_blocks(kv_cache, handle.block_ids, out=buf, layers=g)
-            # NOTE: gloo sends run on its own threads, so packing the next group overlaps these.
-            sends += [channel.isend(p, tag) for tag, p in _planes(buf[g], g.start)]
+        for i, c in enumerate(chunks):
+            pack_blocks(kv_cache, handle.block_ids, out=buf, blocks=c)
+            # NOTE: gloo sends run on its own threads, so packing the next chunk overlaps this one.
+            sends.append(channel.isend(buf[c], _tag(i)))
     for s in sends:
         s.wait(deadline.left())
-    ack = torch.empty(HEADER_LEN, dtype=torch.int64, device=kv_cache.device)
-    channel.irecv(ack).wait(deadline.left())
+    (ack_recv or channel.irecv(ack)).wait(deadline.left())
     hdr = decode_header(ack)
     if (hdr.request_hash, hdr.epoch) != (request_hash(handle.request_id), handle.epoch):
         raise ProtocolError(f"ack for another transfer (epoch {hdr.epoch}) while sending {handle.request_id!r}")
@@ -163,41 +184,60 @@ def send_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, timeout_
         raise KVTransferError(f"receiver rejected {handle.request_id!r}: {hdr.status.name}")
 
 
+class PostedRecv(NamedTuple):
+    """The receives of one transfer, posted before the sender was asked to push (`post_recv_kv`)."""
+
+    header: torch.Tensor
+    header_recv: object
+    chunks: list[slice]
+    chunk_recvs: list
+    staging: torch.Tensor | None  # None: straight into the cache (this side's blocks are one run)
+
+
+def post_recv_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, block_ids: list[int],
+                 group_bytes: int = 8 << 20) -> PostedRecv:
+    """Post the header's and every chunk's receive for `handle` into this side's `block_ids`."""
+    assert len(block_ids) == handle.num_blocks, (len(block_ids), handle.num_blocks)
+    raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=kv_cache.device)
+    header_recv = channel.irecv(raw)
+    chunks = chunks_for(handle, group_bytes)
+    b0 = _run_start(block_ids)
+    # zero copy: receive straight into the (fresh, unused) blocks; else into staging, then scatter
+    buf = None if b0 is not None else _staging(channel, handle, kv_cache.device)
+    dst = kv_cache[b0:b0 + len(block_ids)] if buf is None else buf
+    recvs = [channel.irecv(dst[c], _tag(i)) for i, c in enumerate(chunks)]
+    return PostedRecv(raw, header_recv, chunks, recvs, buf)
+
+
 def recv_kv(channel: Channel, kv_cache: torch.Tensor, handle: KVHandle, block_ids: list[int],
-            timeout_s: float, group_bytes: int = 8 << 20) -> None:
+            timeout_s: float, posted: PostedRecv | None = None, group_bytes: int = 8 << 20) -> None:
     """Receive `handle`'s blocks into `kv_cache` at this side's `block_ids`, then acknowledge.
 
-    The caller holds `channel.lock`, allocated `block_ids` and has asked the sender to push.
+    The caller holds `channel.lock`, allocated `block_ids`, has asked the sender to push and, best
+    right after that, posted the receives (`post_recv_kv`; posted here if not).
     Raises `LeaseExpiredError` / `EpochMismatchError` if the sender refused (stream still in step),
     `ProtocolError` if the header does not describe this transfer.
     """
-    assert len(block_ids) == handle.num_blocks, (len(block_ids), handle.num_blocks)
     deadline = _Deadline(timeout_s)
-    raw = torch.empty(HEADER_LEN, dtype=torch.int64, device=kv_cache.device)
-    channel.irecv(raw).wait(deadline.left())
-    hdr = decode_header(raw)
+    posted = posted or post_recv_kv(channel, kv_cache, handle, block_ids, group_bytes)
+    posted.header_recv.wait(deadline.left())
+    hdr = decode_header(posted.header)
     if hdr.request_hash != request_hash(handle.request_id):
         raise ProtocolError(f"expected KV of {handle.request_id!r}, got another request's (hash {hdr.request_hash})")
-    if hdr.status is Status.LEASE_EXPIRED:
-        raise LeaseExpiredError(f"{handle.worker_id}: lease on {handle.request_id!r} is gone; re-prefill it")
-    if hdr.status is Status.EPOCH_MISMATCH:
+    if hdr.status in (Status.LEASE_EXPIRED, Status.EPOCH_MISMATCH):
+        for r in posted.chunk_recvs:  # the sender's filler: drained so the stream stays in step
+            r.wait(deadline.left())
+        if hdr.status is Status.LEASE_EXPIRED:
+            raise LeaseExpiredError(f"{handle.worker_id}: lease on {handle.request_id!r} is gone; re-prefill it")
         raise EpochMismatchError(f"{handle.worker_id}: epoch {handle.epoch} of {handle.request_id!r} "
                                  "was superseded; re-prefill it")
     got = (hdr.status, hdr.epoch, hdr.num_blocks, hdr.num_tokens, hdr.num_messages)
-    want = (Status.OK, handle.epoch, handle.num_blocks, handle.num_tokens, messages_for(handle))
+    want = (Status.OK, handle.epoch, handle.num_blocks, handle.num_tokens, len(posted.chunks))
     if got != want:
         # NOTE: never use blocks sent under another epoch: that data may belong to a superseded grant.
         raise ProtocolError(f"header {got} does not match the handle {want} of {handle.request_id!r}")
-    b0 = _run_start(block_ids)
-    if b0 is not None:  # zero copy: receive straight into the (fresh, unused) blocks
-        for r in [channel.irecv(p, tag) for tag, p in _planes(kv_cache[:, :, b0:b0 + len(block_ids)])]:
-            r.wait(deadline.left())
-    else:
-        buf = _staging(channel, handle, kv_cache.device)
-        groups = layer_groups(handle.layout, handle.num_blocks, group_bytes)
-        recvs = [[channel.irecv(p, tag) for tag, p in _planes(buf[g], g.start)] for g in groups]
-        for g, rs in zip(groups, recvs):
-            for r in rs:
-                r.wait(deadline.left())
-            unpack_blocks(kv_cache, block_ids, buf, layers=g)  # overlaps the next group's receive
-    channel.isend(encode_header(Status.OK, handle, messages_for(handle), kv_cache.device)).wait(deadline.left())
+    for c, r in zip(posted.chunks, posted.chunk_recvs):
+        r.wait(deadline.left())
+        if posted.staging is not None:
+            unpack_blocks(kv_cache, block_ids, posted.staging, blocks=c)  # overlaps the next chunk's receive
+    channel.isend(encode_header(Status.OK, handle, len(posted.chunks), kv_cache.device)).wait(deadline.left())

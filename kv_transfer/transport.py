@@ -33,6 +33,10 @@ class Channel(ABC):
     transport drops the channel and a later transfer opens a fresh one.
     """
 
+    # True where operations run one after another in the order they were posted (NCCL on one CUDA
+    # stream): a receive posted ahead of this side's sends would then hold those sends back.
+    serial = False
+
     def __init__(self, peer: str):
         self.peer = peer
         self.lock = threading.Lock()
