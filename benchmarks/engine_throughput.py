@@ -16,7 +16,8 @@ lengths, greedy, ignore_eos), SmolLM2-135M fp32. Rows:
     which gives every request its own length: the same work as our rows. Its start-up (cache
     allocation, warmup) is timed separately and not counted.
 
-The roofline is the best fp32 `torch.mm` GFLOP/s measured in this run (model-shaped and one large
+The roofline is the best fp32 matmul GFLOP/s measured in this run (torch.mm or oneDNN with a
+prepacked weight, whichever is faster; model-shaped and one large
 square shape) divided by 2 x params per token (non-embedding params + the lm_head; a tied embedding
 counts once, as the lm_head). A "decode-only batch sweep" then measures steady decode at fixed batch
 sizes and ~`--sweep-context` tokens of context, next to the time the same step spends in its linear
@@ -233,21 +234,19 @@ def run_hf_continuous(model, workload: list[BenchRequest], max_num_seqs: int, ma
 
 
 @torch.inference_mode()
-def linear_only_step_s(model, batch: int, reps: int = 5) -> float:
+def linear_only_step_s(runner, batch: int, reps: int = 5) -> float:
     """Seconds one decode step of `batch` rows spends in the model's linear layers alone (all layers'
-    q/k/v/o/gate/up/down plus the lm_head), with the model's own modules and weight layouts."""
-    layers = model.model.layers
-    hidden = model.config.hidden_size
-    x = torch.randn(batch, hidden)
-    xi = torch.randn(batch, model.config.intermediate_size)
-    xo = torch.randn(batch, model.config.num_attention_heads * model.config.head_dim)
+    fused q/k/v, o, fused gate/up, down, plus the lm_head), through the engine's own matmuls."""
+    cfg = runner.config
+    x = torch.randn(batch, cfg.hidden_size)
+    xi = torch.randn(batch, cfg.intermediate_size)
+    xo = torch.randn(batch, runner.num_heads * runner.head_dim)
 
     def once():
-        for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            a.q_proj(x), a.k_proj(x), a.v_proj(x), a.o_proj(xo)
-            m.gate_proj(x), m.up_proj(x), m.down_proj(xi)
-        model.lm_head(x)
+        for li in range(runner.num_layers):
+            runner._lin_qkv[li](x), runner._lin_o[li](xo)
+            runner._lin_gate_up[li](x), runner._lin_down[li](xi)
+        runner._lin_head(x)
 
     once()
     best = float("inf")
@@ -293,7 +292,7 @@ def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_st
             engine.abort(rid)
         tps = bsz * num_steps / wall
         step_s = sorted(durations)[len(durations) // 2]
-        lin_s = linear_only_step_s(engine.hf_model, bsz)
+        lin_s = linear_only_step_s(engine.runner, bsz)
         rows.append({"batch": bsz, "context": context, "tokens_per_s": tps, "pct_roofline": 100 * tps / roofline_tps,
                      "median_step_ms": 1e3 * step_s, "linear_only_ms": 1e3 * lin_s,
                      "non_linear_ms": 1e3 * (step_s - lin_s),
@@ -448,7 +447,7 @@ def main(argv=None) -> dict:
         f"workload: {len(workload)} requests, prompts {args.min_prompt}-{args.max_prompt} "
         f"({total_prompt} prompt tokens), outputs {args.min_output}-{args.max_output} ({total_requested} "
         f"output tokens), seed {args.seed}, greedy, ignore_eos; all requests arrive at t=0",
-        f"roofline: best fp32 torch.mm {gflops:.1f} GFLOP/s ({', '.join(f'{m}x{k}x{n}: {x.gflops:.0f}' for m, k, n, x in ((r.m, r.k, r.n, r) for r in mm_results))}); "
+        f"roofline: best fp32 matmul (torch.mm or prepacked oneDNN) {gflops:.1f} GFLOP/s ({', '.join(f'{m}x{k}x{n}: {x.gflops:.0f}' for m, k, n, x in ((r.m, r.k, r.n, r) for r in mm_results))}); "
         f"{num_params / 1e6:.1f} M params/token -> {roof:.1f} tok/s (best at start {gflops_start:.1f}, at end {gflops_end:.1f} GFLOP/s)",
         f"output-only ceiling at 100% efficiency for this prompt/output mix: "
         f"{roof * total_requested / (total_prompt + total_requested):.1f} tok/s "
@@ -482,7 +481,7 @@ def main(argv=None) -> dict:
                     [[r["batch"], fmt(r["tokens_per_s"]), f"{r['pct_roofline']:.1f}%", fmt(r["median_step_ms"]),
                       fmt(r["linear_only_ms"]), fmt(r["non_linear_ms"]), f"{r['linear_only_pct_roofline']:.1f}%"]
                      for r in sweep_rows],
-                    ["linears-only: the same step's q/k/v/o/gate/up/down + lm_head matmuls alone (nn.Linear, "
+                    ["linears-only: the same step's q/k/v/o/gate/up/down + lm_head matmuls alone (the engine's, "
                      "best of 5); other = step - linears (attention, KV writes, norms, rope, metadata, sampling)"])
     total_s = time.perf_counter() - t_start
     print(f"total benchmark time {total_s:.0f} s")
@@ -490,7 +489,8 @@ def main(argv=None) -> dict:
     report = {
         "machine": machine_info(), "args": vars(args), "roofline": {
             "gflops": gflops, "gflops_start": gflops_start, "gflops_end": gflops_end, "params_per_token": num_params, "tokens_per_s": roof,
-            "matmuls": [{"m": r.m, "k": r.k, "n": r.n, "gflops": r.gflops} for r in mm_results]},
+            "matmuls": [{"m": r.m, "k": r.k, "n": r.n, "gflops": r.gflops, "mm_gflops": r.mm_gflops,
+                         "onednn_gflops": r.onednn_gflops} for r in mm_results]},
         "workload": {"num_requests": len(workload), "prompt_tokens": total_prompt, "output_tokens": total_requested},
         "results": [{"name": r.name, "output_tokens": r.output_tokens, "wall_s": r.wall_s,
                      "tokens_per_s": r.tokens_per_s, "pct_roofline": 100 * r.tokens_per_s / roof,

@@ -14,6 +14,32 @@ from engine.attention import AttentionMetadata, KVWorkspace, PrefillSeq, decode_
 from engine.scheduler import SchedulerOutput
 
 
+def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+class Linear:
+    """`y = x @ weight.T + bias`. On CPU the weight is reordered once into oneDNN's blocked layout.
+
+    NOTE: F.linear repacks the weight on every call. Measured here (2 cores, fp32, SmolLM2's shapes,
+    30 layers of weights that do not fit in cache): the prepacked path is 1.5x faster at 64 rows and
+    2.2x at 8 (decode batches), ~1.15x at 1000 (prefill chunks). The cost is a second copy of the
+    linear weights (the HF modules keep theirs: the model stays usable as a reference).
+    """
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool):
+        self.weight, self.bias = weight, bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if prepack else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -50,6 +76,7 @@ class ModelRunner:
         self.scale = self.layers[0].self_attn.scaling
         self.workspace = KVWorkspace()  # gathered KV blocks land here, reused by every layer and step
         self._fuse_projections()
+        self._build_linears(_can_prepack(self.device, self.dtype))
 
     @torch.no_grad()
     def _fuse_projections(self) -> None:
@@ -80,12 +107,23 @@ class ModelRunner:
             else:
                 self._gate_up.append(None)
 
+    @torch.no_grad()
+    def _build_linears(self, prepack: bool) -> None:
+        """The matmuls the forward pass runs: fused q/k/v, o, fused gate/up, down, and the lm_head."""
+        self.prepacked = prepack
+        self._lin_qkv = [Linear(w, b, prepack) for w, b in self._qkv]
+        self._lin_o = [Linear(l.self_attn.o_proj.weight, l.self_attn.o_proj.bias, prepack) for l in self.layers]
+        self._lin_gate_up = [None if gu is None else Linear(gu, None, prepack) for gu in self._gate_up]
+        self._lin_down = [None if gu is None else Linear(l.mlp.down_proj.weight, l.mlp.down_proj.bias, prepack)
+                          for gu, l in zip(self._gate_up, self.layers)]
+        self._lin_head = Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None), prepack)
+
     def _mlp(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
-        gu = self._gate_up[li]
-        if gu is None:
+        gate_up = self._lin_gate_up[li]
+        if gate_up is None:
             return layer.mlp(x)
-        gate, up = F.linear(x, gu).chunk(2, dim=-1)
-        return layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return self._lin_down[li](layer.mlp.act_fn(gate) * up)
 
     @staticmethod
     def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
@@ -149,8 +187,7 @@ class ModelRunner:
             attn = layer.self_attn
             residual = h
             x = layer.input_layernorm(h)
-            w, b = self._qkv[li]
-            qkv = F.linear(x, w, b)
+            qkv = self._lin_qkv[li](x)
             nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q = qkv[:, :nq].view(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, nq:nq + nkv].reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -163,10 +200,10 @@ class ModelRunner:
             k_cache, v_cache = self.kv_cache[:, li, 0], self.kv_cache[:, li, 1]
             write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
-            h = residual + attn.o_proj(o.reshape(num_tokens, -1))
+            h = residual + self._lin_o[li](o.reshape(num_tokens, -1))
             residual = h
             h = residual + self._mlp(li, layer, layer.post_attention_layernorm(h))
         if sample_rows.numel() == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         h = self.norm(h[sample_rows])
-        return self.lm_head(h).float()
+        return self._lin_head(h).float()
