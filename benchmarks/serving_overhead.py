@@ -8,6 +8,10 @@ actor, all at equal total threads (2).
  (c) disagg:     loadgen ──HTTP──▶ Serve proxy ──▶ ingress ──▶ router ──▶ prefill (1 thread) ══KV══▶ decode (1 thread)
 ```
 
+(b) and (c) run twice (`--ingress both`, the default): through Serve's proxy, and with direct ingress,
+where the ingress replica serves HTTP itself and the proxy hop (a relay of every streamed token between
+two processes) is gone.
+
 All go through the same load generator (`pdserve bench`'s `run_benchmark`), so the HTTP/SSE/tokenizer
 cost of the ingress is in every row. (b) adds what the serving layer itself costs: Ray Serve's proxy, the
 router, actor calls, token streaming between processes. (c) adds the KV handoff over gloo and, on one
@@ -81,25 +85,30 @@ def run_engine_alone(cfg: BenchConfig, warmup: int) -> dict:
         gc.collect()
 
 
-def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int) -> dict:
+def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, direct: bool = False) -> dict:
     import ray
     from ray import serve
 
     from deployments.app import build_app, shutdown_router
 
-    from deployments.config import apply_ray_env_defaults
+    from deployments.config import apply_ray_env_defaults, direct_ingress_env
 
     port = _free_port()
+    saved_env = dict(os.environ)
     apply_ray_env_defaults()  # as `pdserve serve` does when it starts Ray
+    proxy_port = port
+    if direct:  # as `pdserve serve --direct-ingress`: the replica serves `port`, the proxy moves
+        os.environ.update(direct_ingress_env(port, 2))
+        proxy_port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
         t0 = time.perf_counter()
         serve.run(build_app({"num_prefill_workers": prefill, "num_decode_workers": 1, "threads_per_worker": threads,
                              "worker_num_cpus": 1 if prefill else 2}),
                   name="pdserve", route_prefix="/")
-        print(f"Ray Serve app ({prefill}P+1D, {threads} threads each) ready in {time.perf_counter() - t0:.1f}s",
-              flush=True)
+        print(f"Ray Serve app ({prefill}P+1D, {threads} threads each, {'direct ingress' if direct else 'proxy'}) "
+              f"ready in {time.perf_counter() - t0:.1f}s", flush=True)
         return _bench(cfg, f"http://127.0.0.1:{port}", warmup)
     finally:
         try:
@@ -107,6 +116,8 @@ def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int) -> 
         finally:
             shutdown_router()
             ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved_env)
 
 
 def _row(name: str, m: dict) -> list[str]:
@@ -120,9 +131,12 @@ def report(results: dict, threads: int = 1) -> dict:
     from rich.console import Console
     from rich.table import Table
 
+    disagg = f"Ray Serve disaggregated (1P+1D, {threads} thread{'s' if threads > 1 else ''} each)"
     names = {"engine": "engine alone, HTTP in-process (2 threads)",
-             "colocated": "Ray Serve colocated (1 worker, 2 threads)",
-             "disaggregated": f"Ray Serve disaggregated (1P+1D, {threads} thread{'s' if threads > 1 else ''} each)"}
+             "colocated": "Ray Serve colocated (1 worker, 2 threads), proxy",
+             "colocated-direct": "Ray Serve colocated (1 worker, 2 threads), direct ingress",
+             "disaggregated": f"{disagg}, proxy",
+             "disaggregated-direct": f"{disagg}, direct ingress"}
     cols = ["setup", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "E2E p50 ms",
             "duration s"]
     table = Table(title="serving overhead (same workload, same 2 cores)", title_justify="left")
@@ -138,8 +152,8 @@ def report(results: dict, threads: int = 1) -> dict:
     g = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
     a = results["engine"]["metrics"]
     summary = {}
-    for key in ("colocated", "disaggregated"):
-        if key not in results:
+    for key in names:
+        if key == "engine" or key not in results:
             continue
         b = results[key]["metrics"]
         ratios = {"output_throughput": ratio(a["output_throughput"], b["output_throughput"]),
@@ -176,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="short requests before each measured run")
     p.add_argument("--result-json", default=None)
     p.add_argument("--only", choices=("engine", "colocated", "disaggregated"), default=None)
+    p.add_argument("--ingress", choices=("proxy", "direct", "both"), default="both",
+                   help="how HTTP reaches the Ray Serve ingress: through Serve's proxy, or served by the ingress "
+                        "replica itself (direct ingress, `pdserve serve --direct-ingress`)")
     p.add_argument("--disagg-threads", type=int, default=1,
                    help="torch threads per worker in the disaggregated run (1: equal total threads; 2: each "
                         "worker may use both cores when the other idles, oversubscribed otherwise)")
@@ -187,10 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     if args.only in (None, "engine"):
         results["engine"] = run_engine_alone(cfg, args.warmup)
-    if args.only in (None, "colocated"):
-        results["colocated"] = run_ray_serve(cfg, args.warmup, prefill=0, threads=2)
-    if args.only in (None, "disaggregated"):
-        results["disaggregated"] = run_ray_serve(cfg, args.warmup, prefill=1, threads=args.disagg_threads)
+    modes = {"proxy": [False], "direct": [True], "both": [False, True]}[args.ingress]
+    for direct in modes:
+        if args.only in (None, "colocated"):
+            results["colocated" + "-direct" * direct] = run_ray_serve(cfg, args.warmup, prefill=0, threads=2,
+                                                                      direct=direct)
+    for direct in modes:
+        if args.only in (None, "disaggregated"):
+            results["disaggregated" + "-direct" * direct] = run_ray_serve(cfg, args.warmup, prefill=1,
+                                                                          threads=args.disagg_threads, direct=direct)
     if "engine" in results and len(results) > 1:
         results["summary"] = report(results, args.disagg_threads)
     else:

@@ -34,7 +34,20 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=9000, help="gRPC port (0: no gRPC service)")
     s.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto) instead of starting one")
+    s.add_argument("--direct-ingress", action="store_true",
+                   help="the ingress replica serves HTTP on --port itself (Ray Serve direct ingress), without the "
+                        "proxy's relay of every streamed token; Serve's proxy moves to a free port")
+    s.add_argument("--ingress-max-replicas", type=int, default=None,
+                   help="autoscale the HTTP/gRPC ingress on ongoing requests up to this many replicas")
     s.set_defaults(func=_serve)
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -43,7 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from deployments.app import build_app, build_grpc_app, shutdown_router
     from deployments.grpc_ingress import grpc_options
-    from deployments.config import ServeConfig, apply_ray_env_defaults
+    from deployments.config import ServeConfig, apply_ray_env_defaults, direct_ingress_env
 
     cfg = ServeConfig(
         model=args.model, model_name=args.model_name, num_prefill_workers=args.prefill_workers,
@@ -52,17 +65,26 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_queued_requests=args.max_queued_requests, api_key=args.api_key, http_host=args.host,
-        http_port=args.port,
+        http_port=args.port, direct_ingress=args.direct_ingress, ingress_max_replicas=args.ingress_max_replicas,
         prefill_resources={"prefill": 0.01} if args.cluster_resources else {},
         decode_resources={"decode": 0.01} if args.cluster_resources else {},
     )
+    proxy_port = cfg.http_port
+    if cfg.direct_ingress:
+        di_env = direct_ingress_env(cfg.http_port, cfg.direct_ingress_ports())
+        if args.address and any(os.environ.get(k) != v for k, v in di_env.items()):
+            print("pdserve: --direct-ingress on an existing cluster needs, on every node, the environment "
+                  + " ".join(f"{k}={v}" for k, v in di_env.items()), file=sys.stderr)
+            return 2
+        os.environ.update(di_env)
+        proxy_port = _free_port(cfg.http_host)
     if args.address:
         ray.init(address=args.address)
     else:
         apply_ray_env_defaults()
         needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
         ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False)
-    serve.start(http_options={"host": cfg.http_host, "port": cfg.http_port},
+    serve.start(http_options={"host": cfg.http_host, "port": proxy_port},
                 grpc_options=grpc_options(args.grpc_port) if args.grpc_port else None)
     t0 = time.perf_counter()
     pools = (f"{cfg.num_decode_workers} colocated worker(s) (no prefill pool)" if cfg.colocated else
@@ -79,6 +101,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.grpc_port:
         print(f"  gRPC: pdserve.Generation/Generate on {cfg.http_host}:{args.grpc_port} "
               "(metadata application=pdserve-grpc)", flush=True)
+    if cfg.direct_ingress:
+        print(f"  direct ingress: the ingress replica serves {url}; Serve's proxy is on port {proxy_port}",
+              flush=True)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
