@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from engine.model_runner import can_prepack
+
 # ---------------------------------------------------------------------------------------------- roofline
 
 
@@ -56,7 +58,7 @@ def time_matmul(m: int, k: int, n: int, *, min_time_s: float = 0.25, repeats: in
     flops = 2.0 * m * k * n
     mm = _best_gflops(lambda: torch.mm(a, b), flops, min_time_s, repeats)
     dnn = None
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    if can_prepack(a.device, dtype):
         packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), None)
         dnn = _best_gflops(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""),
                            flops, min_time_s, repeats)

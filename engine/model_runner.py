@@ -14,7 +14,7 @@ from engine.attention import AttentionMetadata, KVWorkspace, PrefillSeq, decode_
 from engine.scheduler import SchedulerOutput
 
 
-def _can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
@@ -76,7 +76,7 @@ class ModelRunner:
         self.scale = self.layers[0].self_attn.scaling
         self.workspace = KVWorkspace()  # gathered KV blocks land here, reused by every layer and step
         self._fuse_projections()
-        self._build_linears(_can_prepack(self.device, self.dtype))
+        self._build_linears(can_prepack(self.device, self.dtype))
 
     @torch.no_grad()
     def _fuse_projections(self) -> None:
@@ -110,7 +110,6 @@ class ModelRunner:
     @torch.no_grad()
     def _build_linears(self, prepack: bool) -> None:
         """The matmuls the forward pass runs: fused q/k/v, o, fused gate/up, down, and the lm_head."""
-        self.prepacked = prepack
         self._lin_qkv = [Linear(w, b, prepack) for w, b in self._qkv]
         self._lin_o = [Linear(l.self_attn.o_proj.weight, l.self_attn.o_proj.bias, prepack) for l in self.layers]
         self._lin_gate_up = [None if gu is None else Linear(gu, None, prepack) for gu in self._gate_up]

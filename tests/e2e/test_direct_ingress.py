@@ -39,7 +39,7 @@ def server():
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
         serve.run(build_app({"num_prefill_workers": 0, "num_decode_workers": 1, "kv_cache_memory_mb": 64,
-                             "max_num_seqs": 8, "direct_ingress": True}), name="pdserve", route_prefix="/")
+                             "max_num_seqs": 8}), name="pdserve", route_prefix="/")
         yield f"http://127.0.0.1:{port}", ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     finally:
         serve.shutdown()
