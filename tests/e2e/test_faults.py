@@ -19,6 +19,9 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 PROMPTS = [f"Write a short story number {i} about a {w}." for i, w in
            enumerate(["dragon", "robot", "sailor", "garden", "violin", "comet"])]
 MAX_TOKENS = 40
+# The router-death scenario needs streams that outlast the router's restart (a new process, adoption,
+# snapshots: seconds on 2 cores), or every request can finish before there is anything to adopt.
+LONG_MAX_TOKENS = 200
 
 
 @pytest.fixture(scope="module")
@@ -34,22 +37,30 @@ def cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference():
-    eng = LLMEngine(EngineConfig(model=None, num_kv_blocks=256))
+def _greedy(eng, max_tokens):
     out = {}
     for i, p in enumerate(PROMPTS):
-        eng.add_request(str(i), eng.apply_chat_template([{"role": "user", "content": p}]),
-                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        eng.add_request(f"{max_tokens}-{i}", eng.apply_chat_template([{"role": "user", "content": p}]),
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
-                out[int(o.request_id)] = o.token_ids
-    return [out[i] for i in range(len(PROMPTS))], eng
+                out[int(o.request_id.rsplit("-", 1)[1])] = o.token_ids
+    return [out[i] for i in range(len(PROMPTS))]
 
 
-async def _run_all(backend: RouterBackend, prompts_ids, on_progress=None):
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model=None, num_kv_blocks=256))
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return _greedy(engine, MAX_TOKENS), engine
+
+
+async def _run_all(backend: RouterBackend, prompts_ids, on_progress=None, max_tokens=MAX_TOKENS):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     progress = [0] * len(prompts_ids)
     gaps = [0.0] * len(prompts_ids)
 
@@ -91,7 +102,7 @@ def _wait_pools(router, n_prefill, n_decode, timeout_s=120):
         time.sleep(0.5)
 
 
-def _scenario(cluster, reference, kill):
+def _scenario(cluster, reference, kill, max_tokens=MAX_TOKENS):
     router, hub = cluster
     want, eng = reference
     ids = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -105,7 +116,7 @@ def _scenario(cluster, reference, kill):
                 assert time.monotonic() < deadline, progress
                 await asyncio.sleep(0.05)
             await kill(router)
-        return await _run_all(backend, ids, killer)
+        return await _run_all(backend, ids, killer, max_tokens)
 
     got, gaps = asyncio.run(go())
     assert got == want
@@ -156,14 +167,16 @@ def test_prefill_worker_dies_requests_retried(cluster, reference):
 
 
 def test_router_dies_streams_continue_and_new_requests_served(cluster, reference):
+    want, eng = reference
+    long_want = _greedy(eng, LONG_MAX_TOKENS)
+
     async def kill(router):
         ray.kill(router, no_restart=False)
 
-    before, after, gaps = _scenario(cluster, reference, kill)
+    before, after, gaps = _scenario(cluster, (long_want, eng), kill, LONG_MAX_TOKENS)
     router, hub = cluster
     assert after["adopted_requests"] > 0  # the new incarnation rebuilt its state from the workers
     # New requests after the restart.
-    want, eng = reference
     backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
 
     async def one():
