@@ -71,6 +71,19 @@ def measure_roofline(shapes: Sequence[tuple[int, int, int]], **kwargs) -> tuple[
     return max(r.gflops for r in results), results
 
 
+def measure_read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """GB/s of a streaming read (`torch.sum` over `mib` MiB of fp32, far beyond any cache), best of
+    `repeats`: what decode attention's read of the KV cache can at best run at on this machine."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # touch every page first
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
 def params_per_token(model: torch.nn.Module) -> int:
     """Weights each generated token multiplies through: every parameter except the input embedding,
     plus the lm_head. A tied embedding is therefore counted once (as the lm_head matmul); an untied

@@ -1,9 +1,11 @@
 """Attention over packed variable-length batches, reading paged KV through block tables.
 
-Decode tokens are attended in a few length buckets: each bucket gathers its sequences' blocks into a
-reused workspace (`KVWorkspace`) and runs one SDPA call with the query heads grouped by KV head, so
-GQA needs no copy of the keys per query head. Prefill chunks run one SDPA call each. A GPU build can
-swap in a paged kernel behind the same `AttentionMetadata`.
+On CPU in fp32, decode tokens go through our compiled kernel (`engine.cpu_kernels`), which reads each
+sequence's K and V straight from its blocks, once. Elsewhere (or without a C compiler) decode tokens
+are attended in a few length buckets: each bucket gathers its sequences' blocks into a reused
+workspace (`KVWorkspace`) and runs one SDPA call with the query heads grouped by KV head, so GQA needs
+no copy of the keys per query head. Prefill chunks run one SDPA call each. A GPU build can swap in a
+paged kernel behind the same `AttentionMetadata`.
 
 NOTE: on CPU the gather dominated decode: a fresh tensor per layer costs its page faults every time
 (~10x the copy itself), and padding every sequence to the longest in the batch gathers up to twice
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine import cpu_kernels
 
 # Decode sequences are sorted by context length and cut into buckets of at least this many, at most
 # DECODE_BUCKETS buckets: padding waste goes down, SDPA calls stay few.
@@ -42,6 +46,15 @@ class DecodeBucket:
 
 
 @dataclass(slots=True)
+class PagedDecode:
+    """All single-token rows (decode) of a step, for the compiled kernel: no buckets, no padding."""
+
+    rows: torch.Tensor | None  # [n] packed-row index of each decode token; None: rows 0..n-1
+    tables: torch.Tensor  # [n, max_blocks] int32 block ids (padding never read)
+    lens: torch.Tensor  # [n] int32 context length, the new token included
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Built by the model runner once per step; read by every layer."""
 
@@ -49,6 +62,21 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] its offset in that block
     decode: list[DecodeBucket]
     prefills: list[PrefillSeq]  # multi-token chunks, one SDPA call each
+    paged: PagedDecode | None = None  # decode rows for the compiled kernel (then `decode` is empty)
+
+
+def paged_decode_meta(rows: list[int], tables: list[list[int]], lens: list[int], block_size: int) -> PagedDecode:
+    """Decode rows (context `lens[i]` tokens in blocks `tables[i]`) for `cpu_kernels.paged_decode`."""
+    width = max(-(-n // block_size) for n in lens)
+    flat = []
+    for t, n in zip(tables, lens):
+        used = t[:-(-n // block_size)]
+        flat.extend(used)
+        flat.extend([0] * (width - len(used)))
+    contiguous = rows == list(range(len(rows)))
+    return PagedDecode(None if contiguous else torch.tensor(rows, dtype=torch.long),
+                       torch.tensor(flat, dtype=torch.int32).view(len(rows), width),
+                       torch.tensor(lens, dtype=torch.int32))
 
 
 def decode_buckets(rows: list[int], tables: list[list[int]], lens: list[int], block_size: int,
@@ -112,6 +140,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_heads = q.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
+    if meta.paged is not None:
+        pd = meta.paged
+        if pd.rows is None:  # decode rows lead the batch: the kernel writes into `out` in place
+            n = pd.lens.numel()
+            cpu_kernels.paged_decode(q[:n], out[:n], k_cache, v_cache, pd.tables, pd.lens, scale)
+        else:
+            od = torch.empty(pd.rows.numel(), num_heads, head_dim, dtype=q.dtype)
+            cpu_kernels.paged_decode(q.index_select(0, pd.rows), od, k_cache, v_cache, pd.tables, pd.lens, scale)
+            out[pd.rows] = od
     for b in meta.decode:
         n = b.rows.numel()
         ctx = b.num_blocks * k_cache.shape[1]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, KVWorkspace, PrefillSeq, decode_buckets, paged_attention, write_kv
+from engine.attention import (AttentionMetadata, KVWorkspace, PrefillSeq, decode_buckets, paged_attention,
+                              paged_decode_meta, write_kv)
+from engine.cpu_kernels import paged_decode_available
 from engine.scheduler import SchedulerOutput
 
 
@@ -75,6 +77,9 @@ class ModelRunner:
         self.lm_head = hf_model.lm_head
         self.scale = self.layers[0].self_attn.scaling
         self.workspace = KVWorkspace()  # gathered KV blocks land here, reused by every layer and step
+        # Decode attention through the compiled CPU kernel (one read of the cache, no gather) when it
+        # builds here; otherwise the gather + SDPA path. Tests switch it to compare the two.
+        self.paged_decode = paged_decode_available(self.device, self.dtype)
         self._fuse_projections()
         self._build_linears(can_prepack(self.device, self.dtype))
 
@@ -164,11 +169,17 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        paged = buckets = None
+        if decode_rows and self.paged_decode:
+            paged = paged_decode_meta(decode_rows, decode_tables, decode_lens, bs)
+        elif decode_rows:
+            buckets = decode_buckets(decode_rows, decode_tables, decode_lens, bs, dev)
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
             slot_offsets=pos % bs,
-            decode=decode_buckets(decode_rows, decode_tables, decode_lens, bs, dev) if decode_rows else [],
+            decode=buckets or [],
             prefills=prefills,
+            paged=paged,
         )
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long, device=dev)
