@@ -1,12 +1,12 @@
 """Figures for failures and scaling under a steady load on the CPU app (1 prefill + 2 decode workers):
 
-1. kill one decode worker mid-load (fixed pools): requests lost (target 0), the longest stall a client sees
-   (target: < one re-prefill of the longest sequence + 1 s), and whether outputs equal an undisturbed
-   run (greedy);
-2. a prefill burst on a fresh app whose prefill pool may grow from 1 to 2: time from the burst to the scale-up decision, to the new worker being ready, and
-   to it serving its first step.
+1. kill one decode worker mid-load (fixed pools; `--trials` kills, each on a fresh app and later in the
+   load than the last): requests lost (target 0), the longest stall a client sees (target: < one
+   re-prefill of the longest sequence + 1 s), and whether outputs equal an undisturbed run (greedy);
+2. a prefill burst on a fresh app whose prefill pool may grow from 1 to 2: time from the burst to the
+   scale-up decision, to the new worker being ready, and to it serving its first step.
 
-    .venv/bin/python benchmarks/fault_figures.py [--num-requests 16 --rate 1.5 --kill-at 6]
+    .venv/bin/python benchmarks/fault_figures.py [--num-requests 16 --rate 1.5 --kill-at 6 --trials 3 --kill-step 1.5]
 """
 
 from __future__ import annotations
@@ -130,7 +130,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--rate", type=float, default=1.5)
-    p.add_argument("--kill-at", type=float, default=6.0)
+    p.add_argument("--kill-at", type=float, default=6.0, help="seconds into the load of the first kill")
+    p.add_argument("--trials", type=int, default=3, help="kills, each on a fresh app")
+    p.add_argument("--kill-step", type=float, default=1.5, help="each trial kills this much later than the last")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-cache-mb", type=int, default=2048,
                    help="KV pool per worker (the server's default). With too small a pool the survivor cannot "
@@ -147,30 +149,43 @@ def main(argv=None) -> int:
         # a prefill scale-up that happens to start at the same time; phase 2 gets a fresh app that scales.
         cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, health_check_timeout_s=5.0,
                           kv_cache_memory_mb=args.kv_cache_mb)
-        router = get_or_create_router(cfg)
-        ray.get(router.wait_ready.remote(600), timeout=700)
-        backend = RouterBackend(router, StreamHub.remote(), "hub-figures", request_timeout_s=300)
-        print("steady load, killing a decode worker ...", flush=True)
-        outs, gaps, gap_at, errors, victim, killed_at = asyncio.run(
-            steady_load_with_kill(backend, router, reqs, args.rate, args.kill_at, args.seed))
-        stats = ray.get(router.stats.remote())
-        lost = sum(1 for o, (_, m), e in zip(outs, reqs, errors) if e or len(o) != m)
-        identical = sum(1 for o, w in zip(outs, want) if o == w)
-        migrated = stats["counters"]["migrations"]
-        print(f"\n== kill {victim} at t={killed_at:.1f}s under {args.rate} req/s, {len(reqs)} requests")
-        print(f"requests lost: {lost} (target 0); outputs identical to the undisturbed run: {identical}/{len(reqs)}")
-        print(f"migrated sequences: {migrated}; longest client stall: {max(gaps):.2f}s; "
-              f"re-prefill of the longest sequence ({max(len(p) + m for p, m in reqs)} tokens, 1 thread): "
-              f"{reprefill_s:.2f}s -> target < {reprefill_s + 1:.2f}s: "
-              f"{'met' if max(gaps) < reprefill_s + 1 else 'MISSED'}")
-        for i, (o, (_, m), e, w) in enumerate(zip(outs, reqs, errors, want)):
-            if e or len(o) != m or o != w or gaps[i] > 1.0:
-                print(f"  request {i}: {len(o)}/{m} tokens, identical={o == w}, longest gap {gaps[i]:.2f}s "
-                      f"from t={gap_at[i]:.1f}s, error={e}")
-        print("  router decisions:", [(round(d['time'] - time.time(), 1), d['pool'], d['action'], d['reason'])
-                                      for d in stats['decisions']])
+        target = reprefill_s + 1
+        longest = max(len(p) + m for p, m in reqs)
+        summary = []
+        for trial in range(args.trials):
+            # A fresh app per trial, the kill a little later each time: which sequences the victim holds,
+            # and how far along they are, changes the stall more than anything else.
+            kill_at = args.kill_at + args.kill_step * trial
+            router = get_or_create_router(cfg)
+            ray.get(router.wait_ready.remote(600), timeout=700)
+            backend = RouterBackend(router, StreamHub.remote(), f"hub-figures-{trial}", request_timeout_s=300)
+            print(f"steady load, killing a decode worker at {kill_at:.1f}s (trial {trial + 1}/{args.trials}) ...",
+                  flush=True)
+            outs, gaps, gap_at, errors, victim, killed_at = asyncio.run(
+                steady_load_with_kill(backend, router, reqs, args.rate, kill_at, args.seed))
+            stats = ray.get(router.stats.remote())
+            lost = sum(1 for o, (_, m), e in zip(outs, reqs, errors) if e or len(o) != m)
+            identical = sum(1 for o, w in zip(outs, want) if o == w)
+            migrated = stats["counters"]["migrations"]
+            summary.append((killed_at, lost, identical, migrated, max(gaps)))
+            print(f"\n== kill {victim} at t={killed_at:.1f}s under {args.rate} req/s, {len(reqs)} requests")
+            print(f"requests lost: {lost} (target 0); outputs identical to the undisturbed run: {identical}/{len(reqs)}")
+            print(f"migrated sequences: {migrated}; longest client stall: {max(gaps):.2f}s; "
+                  f"re-prefill of the longest sequence ({longest} tokens, 1 thread): "
+                  f"{reprefill_s:.2f}s -> target < {target:.2f}s: {'met' if max(gaps) < target else 'MISSED'}")
+            for i, (o, (_, m), e, w) in enumerate(zip(outs, reqs, errors, want)):
+                if e or len(o) != m or o != w or gaps[i] > 1.0:
+                    print(f"  request {i}: {len(o)}/{m} tokens, identical={o == w}, longest gap {gaps[i]:.2f}s "
+                          f"from t={gap_at[i]:.1f}s, error={e}")
+            print("  router decisions:", [(round(d['time'] - time.time(), 1), d['pool'], d['action'], d['reason'])
+                                          for d in stats['decisions']])
+            shutdown_router()
+        print(f"\n== {len(summary)} kills: requests lost {sum(x[1] for x in summary)} (target 0); identical outputs "
+              f"{sum(x[2] for x in summary)}/{len(summary) * len(reqs)}; migrated "
+              f"{', '.join(str(x[3]) for x in summary)}; longest stall "
+              f"{', '.join(f'{x[4]:.2f}' for x in summary)} s (target < {target:.2f} s: met in "
+              f"{sum(x[4] < target for x in summary)}/{len(summary)})")
         print("\nprefill burst (fresh app: 1 prefill worker, may scale to 2) ...", flush=True)
-        shutdown_router()
         # NOTE: a small pool here: a CPU worker zero-fills its whole KV pool at start (2 GB: seconds on a
         # busy 2-core box), which would hide the scaling path's own latency (a GPU allocates at once).
         cfg = replace(cfg, prefill_max_workers=2, prefill_target_queued_tokens=1024, upscale_delay_s=1.0,

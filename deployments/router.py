@@ -389,11 +389,20 @@ class Router:
             w.report = replace(w.report, num_free_blocks=w.report.num_free_blocks - (need - 1),
                                num_running=w.report.num_running + 1)
 
-    async def _requeue(self, t: _Tracked, why: str, counter: str, moving: dict[str, int] | None = None) -> None:
+    async def _delivered(self, req: GenRequest) -> list[int] | None:
+        """The tokens `req`'s client already has (None: its ingress replica is gone, and so is it)."""
+        try:
+            return await asyncio.wait_for(req.hub.delivered.remote(req.request_id), 10)
+        except Exception:  # noqa: BLE001
+            return None
+
+    async def _requeue(self, t: _Tracked, why: str, counter: str, moving: dict[str, int] | None = None,
+                       delivered: list[int] | None | bool = False) -> None:
         """Prefill again from the prompt plus every token the client already has, then decode on.
 
         `moving`: recompute tokens already given to each worker in this batch of moves (a dead decode
-        worker's sequences), so that they are spread over the survivors and the prefill pool."""
+        worker's sequences), so that they are spread over the survivors and the prefill pool.
+        `delivered`: the client's tokens when the caller fetched them already (False: fetch them)."""
         if t.stage == "requeueing":  # the death watch and a failed call may both report it
             return
         t.stage = "requeueing"
@@ -402,10 +411,8 @@ class Router:
         if req.attempt + 1 >= MAX_ATTEMPTS:
             self._fail(t, f"gave up after {MAX_ATTEMPTS} attempts: {why}")
             return
-        try:
-            delivered = await asyncio.wait_for(req.hub.delivered.remote(rid), 10)
-        except Exception:  # noqa: BLE001 - the ingress replica is gone: so is the client
-            delivered = None
+        if delivered is False:
+            delivered = await self._delivered(req)
         if delivered is None or self.tracked.get(rid) is not t:
             self.tracked.pop(rid, None)
             return
@@ -542,10 +549,21 @@ class Router:
                 lost.append((t, "retries"))
             elif w.role == "decode" and t.worker_id == w.worker_id and t.stage in ("admitting", "decode"):
                 lost.append((t, "migrations"))
-        lost.sort(key=lambda x: (x[0].req.priority, x[0].req.arrival_time or 0.0))
+        # The clients' tokens, fetched at once: a moved sequence recomputes its prompt plus these.
+        delivered = await asyncio.gather(*[self._delivered(t.req) for t, _ in lost])
+        # NOTE: longest recompute first (within a priority), each to the least loaded destination
+        # (`_resume_on_decode`): the longest-processing-time rule, so the last client to get its next
+        # token waits for about the longest sequence, not for two long ones on one worker. Placed in
+        # arrival order, two long sequences could land together (measured: a 1.99 s stall, against
+        # 1.4-1.6 s when they did not).
+        order = sorted(range(len(lost)), key=lambda i: (
+            lost[i][0].req.priority,
+            -(lost[i][0].req.num_original_prompt_tokens + len(delivered[i] or ())),
+            lost[i][0].req.arrival_time or 0.0))
         moving: dict[str, int] = {}
-        for t, counter in lost:
-            await self._requeue(t, f"{w.worker_id} died", counter, moving)
+        for i in order:
+            t, counter = lost[i]
+            await self._requeue(t, f"{w.worker_id} died", counter, moving, delivered[i])
         moved = [t for t, c in lost if c == "migrations"]
         if len(moved) > 1:
             logger.info("moved %s's sequences: recompute tokens by destination %s", w.worker_id, moving)
