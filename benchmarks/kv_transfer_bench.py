@@ -69,11 +69,11 @@ class PrefillActor(KVExportMixin):
         """A lease on `num_tokens` of random KV. `contiguous`: in one run of block ids, as a prefill-only
         request's first chunk is allocated (the sender then sends straight from the cache); else as the
         free list gives them, which after some churn is scattered (the sender packs them first)."""
-        blocks = None
         if contiguous:
             blocks = self.engine.block_manager.allocate_contiguous(-(-num_tokens // self.engine.config.block_size))
             assert blocks is not None, "no run of free blocks that long"
-        blocks = blocks or self.engine.allocate_blocks(num_tokens)
+        else:
+            blocks = self.engine.allocate_blocks(num_tokens)
         cache = self.engine.runner.kv_cache
         cache[blocks] = torch.randn((len(blocks),) + cache.shape[1:], dtype=cache.dtype)
         self.kv_exporter.synthetic[rid] = blocks

@@ -37,6 +37,7 @@ from kv_transfer import KVHandle
 logger = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 6
+_FETCH = object()  # `_requeue`: ask the client's hub for its delivered tokens
 REPLACE_WAIT_S = 10.0  # longest a dead decode worker's replacement waits for its moved sequences
 WORKER_PREFIX = "pdserve-"
 
@@ -397,12 +398,12 @@ class Router:
             return None
 
     async def _requeue(self, t: _Tracked, why: str, counter: str, moving: dict[str, int] | None = None,
-                       delivered: list[int] | None | bool = False) -> None:
+                       delivered: list[int] | None | object = _FETCH) -> None:
         """Prefill again from the prompt plus every token the client already has, then decode on.
 
         `moving`: recompute tokens already given to each worker in this batch of moves (a dead decode
         worker's sequences), so that they are spread over the survivors and the prefill pool.
-        `delivered`: the client's tokens when the caller fetched them already (False: fetch them)."""
+        `delivered`: the client's tokens when the caller fetched them already (default: fetch them)."""
         if t.stage == "requeueing":  # the death watch and a failed call may both report it
             return
         t.stage = "requeueing"
@@ -411,7 +412,7 @@ class Router:
         if req.attempt + 1 >= MAX_ATTEMPTS:
             self._fail(t, f"gave up after {MAX_ATTEMPTS} attempts: {why}")
             return
-        if delivered is False:
+        if delivered is _FETCH:
             delivered = await self._delivered(req)
         if delivered is None or self.tracked.get(rid) is not t:
             self.tracked.pop(rid, None)
