@@ -16,6 +16,9 @@ All go through the same load generator (`pdserve bench`'s `run_benchmark`), so t
 cost of the ingress is in every row. (b) adds what the serving layer itself costs: Ray Serve's proxy, the
 router, actor calls, token streaming between processes. (c) adds the KV handoff over gloo and, on one
 2-core machine, the split of the cores into a fixed 1 + 1 (on a cluster each pool has its own GPUs).
+(c) runs as the server does by default, with conditional disaggregation (a short prompt prefills on the
+decode worker when that starts it sooner than the prefill worker's queue), and once more as pure
+disaggregation (`local_prefill_max_tokens=0`: every prompt through the prefill worker and KV transfer).
 Per-token overhead = 1/tput(x) - 1/tput(a).
 
     .venv/bin/python benchmarks/serving_overhead.py [--num-prompts 32 --request-rate 8 --result-json PATH]
@@ -85,11 +88,12 @@ def run_engine_alone(cfg: BenchConfig, warmup: int) -> dict:
         gc.collect()
 
 
-def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, direct: bool = False) -> dict:
+def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, direct: bool = False,
+                  local_prefill_max_tokens: int = 512) -> dict:
     import ray
     from ray import serve
 
-    from deployments.app import build_app, shutdown_router
+    from deployments.app import NAMESPACE, ROUTER_NAME, build_app, shutdown_router
 
     from deployments.config import apply_ray_env_defaults, direct_ingress_env
 
@@ -105,11 +109,16 @@ def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, dir
         serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
         t0 = time.perf_counter()
         serve.run(build_app({"num_prefill_workers": prefill, "num_decode_workers": 1, "threads_per_worker": threads,
-                             "worker_num_cpus": 1 if prefill else 2}),
+                             "worker_num_cpus": 1 if prefill else 2,
+                             "local_prefill_max_tokens": local_prefill_max_tokens}),
                   name="pdserve", route_prefix="/")
-        print(f"Ray Serve app ({prefill}P+1D, {threads} threads each, {'direct ingress' if direct else 'proxy'}) "
-              f"ready in {time.perf_counter() - t0:.1f}s", flush=True)
-        return _bench(cfg, f"http://127.0.0.1:{port}", warmup)
+        print(f"Ray Serve app ({prefill}P+1D, {threads} threads each, {'direct ingress' if direct else 'proxy'}, "
+              f"local_prefill_max_tokens={local_prefill_max_tokens}) ready in {time.perf_counter() - t0:.1f}s",
+              flush=True)
+        result = _bench(cfg, f"http://127.0.0.1:{port}", warmup)
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        result["router_counters"] = ray.get(router.stats.remote(), timeout=30)["counters"]
+        return result
     finally:
         try:
             serve.shutdown()
@@ -136,7 +145,9 @@ def report(results: dict, threads: int = 1) -> dict:
              "colocated": "Ray Serve colocated (1 worker, 2 threads), proxy",
              "colocated-direct": "Ray Serve colocated (1 worker, 2 threads), direct ingress",
              "disaggregated": f"{disagg}, proxy",
-             "disaggregated-direct": f"{disagg}, direct ingress"}
+             "disaggregated-direct": f"{disagg}, direct ingress",
+             "disaggregated-pure": f"{disagg}, no local prefill, proxy",
+             "disaggregated-pure-direct": f"{disagg}, no local prefill, direct ingress"}
     cols = ["setup", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "E2E p50 ms",
             "duration s"]
     table = Table(title="serving overhead (same workload, same 2 cores)", title_justify="left")
@@ -172,8 +183,11 @@ def report(results: dict, threads: int = 1) -> dict:
     for key, s in summary.items():
         if "throughput_loss" in s:
             verdict = "[green]meets[/green]" if s["meets_target"] else "[red]misses[/red]"
+            counters = results[key].get("router_counters") or {}
+            local = f"; {counters['local_prefills']} prompts prefilled on the decode worker" \
+                if counters.get("local_prefills") else ""
             console.print(f"{key}: throughput loss {s['throughput_loss']:+.1%} ({verdict} the <= 10% target); "
-                          f"{s['overhead_ms_per_token']:+.2f} ms per output token over the engine alone")
+                          f"{s['overhead_ms_per_token']:+.2f} ms per output token over the engine alone{local}")
     return summary
 
 
@@ -196,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disagg-threads", type=int, default=1,
                    help="torch threads per worker in the disaggregated run (1: equal total threads; 2: each "
                         "worker may use both cores when the other idles, oversubscribed otherwise)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=512,
+                   help="the disaggregated rows' conditional disaggregation (the server's default); a pure "
+                        "disaggregation row (0: every prompt through the prefill worker) runs too unless this is 0 "
+                        "or --no-pure")
+    p.add_argument("--no-pure", action="store_true", help="skip the pure disaggregation row")
     args = p.parse_args(argv)
     cfg = BenchConfig(base_url="http://127.0.0.1", model=MODEL_NAME, num_prompts=args.num_prompts,
                       request_rate=args.request_rate, max_concurrency=args.max_concurrency,
@@ -211,8 +230,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                       direct=direct)
     for direct in modes:
         if args.only in (None, "disaggregated"):
-            results["disaggregated" + "-direct" * direct] = run_ray_serve(cfg, args.warmup, prefill=1,
-                                                                          threads=args.disagg_threads, direct=direct)
+            results["disaggregated" + "-direct" * direct] = run_ray_serve(
+                cfg, args.warmup, prefill=1, threads=args.disagg_threads, direct=direct,
+                local_prefill_max_tokens=args.local_prefill_max_tokens)
+    if args.only in (None, "disaggregated") and args.local_prefill_max_tokens and not args.no_pure:
+        direct = modes[-1]
+        results["disaggregated-pure" + "-direct" * direct] = run_ray_serve(
+            cfg, args.warmup, prefill=1, threads=args.disagg_threads, direct=direct, local_prefill_max_tokens=0)
     if "engine" in results and len(results) > 1:
         results["summary"] = report(results, args.disagg_threads)
     else:

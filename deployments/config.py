@@ -60,6 +60,12 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
+    # With a prefill pool: prompt tokens a decode worker computes per step (recomputes of moved
+    # sequences, local prefills), so its running sequences keep streaming. None: max_num_batched_tokens.
+    decode_max_prefill_tokens: int | None = 256
+    # Conditional disaggregation: a prompt of at most this many tokens is prefilled on a decode worker
+    # when that would start it sooner than the prefill pool's queue would. 0: always the prefill pool.
+    local_prefill_max_tokens: int = 512
     # Router: requests admitted but not yet decoding, beyond which new ones get 429.
     max_queued_requests: int = 256
     kv_lease_s: float = 60.0
@@ -102,6 +108,8 @@ class ServeConfig:
             raise EngineConfigError(f"num_prefill_workers must be >= 0 (0: colocated), got {self.num_prefill_workers}")
         if self.worker_num_cpus < 0 or self.worker_num_gpus < 0:
             raise EngineConfigError("worker_num_cpus / worker_num_gpus must be >= 0")
+        if self.local_prefill_max_tokens < 0:
+            raise EngineConfigError(f"local_prefill_max_tokens must be >= 0 (0: off), got {self.local_prefill_max_tokens}")
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be > 0")
@@ -123,7 +131,7 @@ class ServeConfig:
             raise EngineConfigError("ingress_target_ongoing_requests must be > 0")
         if self.upscale_delay_s < 0 or self.downscale_delay_s < 0 or self.autoscale_interval_s <= 0:
             raise EngineConfigError("upscale_delay_s / downscale_delay_s must be >= 0, autoscale_interval_s > 0")
-        self.engine_config()  # checks the engine fields too
+        self.engine_config("decode")  # checks the engine fields too
 
     @property
     def colocated(self) -> bool:
@@ -147,11 +155,14 @@ class ServeConfig:
         hi = getattr(self, f"{pool}_max_workers")
         return (n if lo is None else lo), (n if hi is None else hi)
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, role: str = "prefill") -> EngineConfig:
+        """The engine settings of a `role` worker: a decode worker next to a prefill pool caps the
+        prompt tokens of each step (`decode_max_prefill_tokens`); colocated, it is the whole engine."""
+        cap = self.decode_max_prefill_tokens if role == "decode" and not self.colocated else None
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
                             kv_cache_memory_mb=self.kv_cache_memory_mb, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            num_threads=self.threads_per_worker)
+                            num_threads=self.threads_per_worker, max_prefill_tokens_per_step=cap)
 
     @property
     def served_model_name(self) -> str:

@@ -57,3 +57,4 @@ class DecodeReport:
     batch_size: int = 0
     step_s: float = 0.0
     num_preempted: int = 0
+    prefill_backlog: int = 0  # prompt tokens still to compute here (local prefills, moved sequences)

@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 MAX_ATTEMPTS = 6
 _FETCH = object()  # `_requeue`: ask the client's hub for its delivered tokens
 REPLACE_WAIT_S = 10.0  # longest a dead decode worker's replacement waits for its moved sequences
+# Conditional disaggregation: a decode worker's queued prompt tokens count this many times against a
+# prefill worker's, since it also has to keep decoding its running sequences.
+LOCAL_PREFILL_COST = 2.0
 WORKER_PREFIX = "pdserve-"
 
 
@@ -66,6 +69,7 @@ class _Worker:
     report: DecodeReport | None = None  # decode
     reserved_blocks: int = 0  # decode: blocks promised to admissions not yet in a report
     reserved_seqs: int = 0
+    reserved_prefill_tokens: int = 0  # decode: prompt tokens handed over to run here, not yet reported
     max_batch_seen: int = 0
     num_steps: int = 0
 
@@ -89,7 +93,8 @@ class Router:
         self.unplaced: list[str] = []
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "aborted": 0, "retries": 0,
                          "migrations": 0, "transfer_failures": 0, "admitted": 0, "worker_deaths": 0,
-                         "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0, "rebalanced": 0}
+                         "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0, "rebalanced": 0,
+                         "local_prefills": 0}
         self.scale = {"prefill": _ScaleState(), "decode": _ScaleState()}
         self._replacing = {"prefill": 0, "decode": 0}  # dead workers whose replacement is pending
         self.decisions: deque[dict] = deque(maxlen=100)
@@ -242,7 +247,7 @@ class Router:
         self._place_prefill(req.request_id)
         return {"ok": True}
 
-    def _place_prefill(self, rid: str) -> None:
+    def _place_prefill(self, rid: str, allow_local: bool = True) -> None:
         t = self.tracked[rid]
         if self.config.colocated:
             self._queue_whole(t)
@@ -254,9 +259,37 @@ class Router:
                 self.unplaced.append(rid)
             return
         w = min(candidates, key=lambda w: w.queued_prompt_tokens)
+        if allow_local and self._prefill_locally(t, w.queued_prompt_tokens):
+            return
         w.queued_prompt_tokens += len(t.req.prompt_token_ids)
         t.stage, t.worker_id, t.prefill_worker_id, t.handle = "prefill", w.worker_id, w.worker_id, None
         w.actor.add.remote(t.req)
+
+    def _prefill_backlog(self, w: _Worker) -> int:
+        return (w.report.prefill_backlog if w.report is not None else 0) + w.reserved_prefill_tokens
+
+    def _prefill_locally(self, t: _Tracked, prefill_queued: int) -> bool:
+        """Conditional disaggregation: run a short prompt whole on a decode worker (chunked prefill
+        mixed into its batch, no KV transfer) when the prefill pool is the bottleneck, i.e. when that
+        decode worker would get through it sooner than the least loaded prefill worker, whose queue is
+        `prefill_queued` tokens. Without it, a busy prefill pool leaves the decode pool idle."""
+        n = len(t.req.prompt_token_ids)
+        if n > self.config.local_prefill_max_tokens:
+            return False
+        need = self._blocks_needed(n)
+        best, best_backlog = None, 0
+        for w in self.decode.values():
+            if not w.ready or w.draining:
+                continue
+            free_blocks, free_seqs = self._free_capacity(w)
+            backlog = self._prefill_backlog(w)
+            if free_seqs > 0 and free_blocks >= need and (best is None or backlog < best_backlog):
+                best, best_backlog = w, backlog
+        if best is None or LOCAL_PREFILL_COST * (best_backlog + n) >= prefill_queued + n:
+            return False
+        self.counters["local_prefills"] += 1
+        self._run_whole(t, best, need)
+        return True
 
     def _queue_whole(self, t: _Tracked) -> None:
         """Colocated: wait for a decode worker with room, which then runs the request whole."""
@@ -383,12 +416,14 @@ class Router:
                 await self._requeue(t, "KV transfer failed", "retries")
         self._admit()
 
-    def _unreserve(self, w: _Worker, need: int, taken: bool) -> None:
+    def _unreserve(self, w: _Worker, need: int, taken: bool, prefill_tokens: int = 0) -> None:
         w.reserved_blocks -= need
         w.reserved_seqs -= 1
+        w.reserved_prefill_tokens -= prefill_tokens
         if w.report is not None and taken:  # until its next report, count the blocks as taken
             w.report = replace(w.report, num_free_blocks=w.report.num_free_blocks - (need - 1),
-                               num_running=w.report.num_running + 1)
+                               num_running=w.report.num_running + 1,
+                               prefill_backlog=w.report.prefill_backlog + prefill_tokens)
 
     async def _delivered(self, req: GenRequest) -> list[int] | None:
         """The tokens `req`'s client already has (None: its ingress replica is gone, and so is it)."""
@@ -431,7 +466,7 @@ class Router:
         t.handle = None
         if counter == "migrations" and self._resume_on_decode(t, moving if moving is not None else {}):
             return
-        self._place_prefill(rid)
+        self._place_prefill(rid, allow_local=False)
 
     def _resume_on_decode(self, t: _Tracked, moving: dict[str, int]) -> bool:
         """Move a sequence of a dead decode worker straight to a live one, which recomputes its KV in
@@ -441,14 +476,15 @@ class Router:
         When several sequences move at once, one survivor recomputing them all would stall each client
         for all of them: a sequence goes to the prefill pool instead (then over KV transfer, in
         parallel) when the least loaded prefill worker has fewer queued tokens than the survivor has
-        been given to recompute in this batch. False: the caller sends it through prefill."""
+        prompt tokens still to compute (moved sequences, local prefills). False: the caller sends it
+        through prefill. `moving` adds up the recompute tokens by destination, for the log."""
         n = len(t.req.prompt_token_ids)
         need = self._blocks_needed(n)
         w = self._pick_decode(need)
         if w is None:
             return False
         prefill = [p for p in self.prefill.values() if p.ready and not p.draining]
-        if prefill and min(p.queued_prompt_tokens for p in prefill) < moving.get(w.worker_id, 0):
+        if prefill and min(p.queued_prompt_tokens for p in prefill) < self._prefill_backlog(w):
             moving["prefill"] = moving.get("prefill", 0) + n
             return False
         moving[w.worker_id] = moving.get(w.worker_id, 0) + n
@@ -459,6 +495,7 @@ class Router:
         """Hand `t` to decode worker `w` to run from its prompt (colocated, or a migrated sequence)."""
         w.reserved_blocks += need
         w.reserved_seqs += 1
+        w.reserved_prefill_tokens += len(t.req.prompt_token_ids)
         t.stage, t.worker_id, t.prefill_worker_id = "admitting", w.worker_id, None
         if t.req.attempt == 0:
             self.counters["admitted"] += 1
@@ -471,7 +508,7 @@ class Router:
         except Exception as exc:  # noqa: BLE001 - it died too: the death watch moves it again
             logger.warning("run of %s on %s failed: %r", t.req.request_id, w.worker_id, exc)
             ok = None
-        self._unreserve(w, need, ok is True)
+        self._unreserve(w, need, ok is True, len(t.req.prompt_token_ids))
         if self.tracked.get(t.req.request_id) is not t or t.stage != "admitting" or t.worker_id != w.worker_id:
             return
         if ok is True:
@@ -481,7 +518,7 @@ class Router:
         elif self.config.colocated:  # the engine refused it: there is nowhere else it could run
             self._fail(t, f"{w.worker_id} refused the request: {ok}")
         else:
-            self._place_prefill(t.req.request_id)
+            self._place_prefill(t.req.request_id, allow_local=False)
         self._admit()
 
     def _fail(self, t: _Tracked, message: str) -> None:
@@ -734,7 +771,8 @@ class Router:
                         for w in self.prefill.values()},
             "decode": {w.worker_id: {"max_batch_seen": w.max_batch_seen, "num_steps": w.num_steps,
                                      "free_blocks": w.report.num_free_blocks if w.report else None,
-                                     "running": w.report.num_running if w.report else 0, "ready": w.ready,
+                                     "running": w.report.num_running if w.report else 0,
+                                     "prefill_backlog": self._prefill_backlog(w), "ready": w.ready,
                                      "draining": w.draining, "node_id": w.info.get("node_id")}
                        for w in self.decode.values()},
         }

@@ -25,6 +25,11 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-num-batched-tokens", type=int, default=1024)
     s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--decode-max-prefill-tokens", type=int, default=256,
+                   help="prompt tokens a decode worker computes per step next to a prefill pool")
+    s.add_argument("--local-prefill-max-tokens", type=int, default=512,
+                   help="prompts up to this long may prefill on a decode worker when the prefill pool is "
+                        "backed up (0: never)")
     s.add_argument("--max-queued-requests", type=int, default=256)
     s.add_argument("--cluster-resources", action="store_true",
                    help="pin workers to nodes with the `prefill` / `decode` custom resources (cluster.yaml)")
@@ -64,7 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
         worker_num_cpus=args.worker_num_cpus, worker_num_gpus=args.worker_num_gpus, device=args.device,
         dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_queued_requests=args.max_queued_requests, api_key=args.api_key, http_host=args.host,
+        decode_max_prefill_tokens=args.decode_max_prefill_tokens,
+        local_prefill_max_tokens=args.local_prefill_max_tokens, max_queued_requests=args.max_queued_requests, api_key=args.api_key, http_host=args.host,
         http_port=args.port, direct_ingress=args.direct_ingress, ingress_max_replicas=args.ingress_max_replicas,
         prefill_resources={"prefill": 0.01} if args.cluster_resources else {},
         decode_resources={"decode": 0.01} if args.cluster_resources else {},

@@ -43,7 +43,7 @@ class _EngineWorker:
         self.worker_id = worker_id
         self.config = config
         self.router = router
-        self.engine = LLMEngine(config.engine_config())
+        self.engine = LLMEngine(config.engine_config(self.role))
         self.lock = threading.RLock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -343,7 +343,7 @@ class DecodeWorker(_EngineWorker):
         with self.lock:
             bm = self.engine.block_manager
             return DecodeReport(self.worker_id, bm.num_free_blocks, bm.num_blocks, self.engine.num_running,
-                                self.engine.num_waiting)
+                                self.engine.num_waiting, prefill_backlog=self.engine.prefill_backlog)
 
     def _after_step(self, outs: list[RequestOutput], stats) -> None:
         events, reqs, finished = [], [], []

@@ -30,6 +30,10 @@ class EngineConfig:
     # Token budget per step (prefill chunks + decode tokens).
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
+    # Prompt (prefill) tokens per step, within max_num_batched_tokens; None: no separate cap. A step
+    # that prefills 1024 tokens takes seconds on a CPU thread, and every sequence decoding in the same
+    # batch waits for it: a cap bounds that gap and lets sequences join between chunks.
+    max_prefill_tokens_per_step: int | None = None
     max_model_len: int | None = None
     batching: BatchingPolicy = "continuous"
     # `dynamic` batching: start a batch when it is full or the oldest request waited this long.
@@ -47,6 +51,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_mb"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step <= 0:
+            raise EngineConfigError(f"max_prefill_tokens_per_step must be > 0 (or None), got {self.max_prefill_tokens_per_step}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise EngineConfigError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.max_wait_s < 0:

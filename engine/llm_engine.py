@@ -188,6 +188,14 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to compute (waiting requests and unfinished prefill chunks): how far
+        behind a new prompt would start here."""
+        s = self.scheduler
+        return (sum(r.num_tokens - r.num_computed_tokens for r in s.waiting)
+                + sum(n for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1))
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

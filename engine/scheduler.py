@@ -144,6 +144,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Prompt tokens (new prompts, later chunks, recomputes) have their own cap inside the budget.
+        prefill_budget = self.config.max_prefill_tokens_per_step or budget
         chunked = self.config.enable_chunked_prefill
         bm = self.block_manager
         scheduled_ids: set[int] = set()
@@ -154,11 +156,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > budget:
-                if not chunked:
+            limit = budget if num_new == 1 else min(budget, prefill_budget)  # a decode is one token
+            if num_new > limit:
+                if not chunked or limit <= 0:
                     i += 1
                     continue
-                num_new = budget
+                num_new = limit
             need = bm.blocks_for_tokens(req.num_computed_tokens + num_new) - len(req.block_table)
             while need > bm.num_free_blocks:
                 victim = self.running[-1]
@@ -177,20 +180,23 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, num_new, samples))
             scheduled_ids.add(id(req))
             budget -= num_new
+            if num_new > 1:
+                prefill_budget -= num_new
             i += 1
 
         # 2. Waiting requests, unless this step had to preempt (then memory is the bottleneck).
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.config.max_num_seqs:
             if not self._admission_open():
                 break
             req = self.waiting[0]
             num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > budget:
+            limit = min(budget, prefill_budget)
+            if num_new > limit:
                 if not chunked:
                     break
-                num_new = budget
+                num_new = limit
             need = bm.blocks_for_tokens(req.num_computed_tokens + num_new) - len(req.block_table)
             if need > bm.num_free_blocks:
                 break
@@ -207,6 +213,7 @@ class Scheduler:
             samples = req.num_computed_tokens + num_new == req.num_tokens
             out.chunks.append(ScheduledChunk(req, num_new, samples))
             budget -= num_new
+            prefill_budget -= num_new
         return out
 
     def postprocess_chunk(self, chunk: ScheduledChunk) -> None:

@@ -1,4 +1,5 @@
-"""ServeConfig: the ingress scales with Serve's own autoscaling when its max exceeds its start size."""
+"""ServeConfig: the ingress scales with Serve's own autoscaling when its max exceeds its start size; the
+prefill settings reach the engines they are meant for."""
 
 from __future__ import annotations
 
@@ -23,3 +24,15 @@ def test_ingress_autoscales_on_ongoing_requests_when_max_exceeds_start():
 def test_bad_ingress_settings_name_the_field(bad):
     with pytest.raises(EngineConfigError, match="ingress"):
         ServeConfig(**bad)
+
+
+def test_prefill_settings_reach_the_right_engines():
+    cfg = ServeConfig(decode_max_prefill_tokens=128)
+    assert cfg.engine_config("decode").max_prefill_tokens_per_step == 128
+    assert cfg.engine_config("prefill").max_prefill_tokens_per_step is None
+    # Colocated, a decode worker is the whole engine: no separate prompt cap.
+    assert ServeConfig(num_prefill_workers=0).engine_config("decode").max_prefill_tokens_per_step is None
+    with pytest.raises(EngineConfigError, match="local_prefill_max_tokens"):
+        ServeConfig(local_prefill_max_tokens=-1)
+    with pytest.raises(EngineConfigError, match="max_prefill_tokens_per_step"):
+        ServeConfig(decode_max_prefill_tokens=0)

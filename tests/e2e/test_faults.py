@@ -137,10 +137,39 @@ def test_decode_worker_dies_streams_resume_identically(cluster, reference):
     _assert_clean(router)
 
 
-def test_prefill_worker_dies_requests_retried(cluster, reference):
+@pytest.fixture(scope="module")
+def long_prompts(engine):
+    """Six ~250-token prompts (a prefill step of seconds on one CPU thread) and their greedy outputs."""
+    ids = [engine.apply_chat_template([{"role": "user", "content": p * 20}]) for p in PROMPTS]
+    ref = {}
+    for i, p in enumerate(ids):
+        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                ref[int(o.request_id[1:])] = o.token_ids
+    return ids, [ref[i] for i in range(len(ids))]
+
+
+def test_prefill_backlog_spills_onto_decode_workers(cluster, long_prompts):
+    # Six long prompts at once on 2 prefill workers: their queues outgrow the idle decode workers',
+    # so some prompts prefill on a decode worker (conditional disaggregation), the rest go through
+    # the prefill pool and KV transfer. Both paths give the same greedy tokens.
     router, hub = cluster
-    want, eng = reference
-    ids = [eng.apply_chat_template([{"role": "user", "content": p * 20}]) for p in PROMPTS]  # long prompts
+    ids, want = long_prompts
+    backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
+    before = ray.get(router.stats.remote())["counters"]
+    got, _ = asyncio.run(_run_all(backend, ids))
+    assert got == want
+    after = ray.get(router.stats.remote())["counters"]
+    local = after["local_prefills"] - before["local_prefills"]
+    assert 0 < local < len(ids), after
+    _assert_clean(router)
+
+
+def test_prefill_worker_dies_requests_retried(cluster, long_prompts):
+    router, hub = cluster
+    ids, want = long_prompts
     backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
     before = ray.get(router.stats.remote())["counters"]
 
@@ -152,14 +181,7 @@ def test_prefill_worker_dies_requests_retried(cluster, reference):
         return await _run_all(backend, ids, killer)
 
     got, _ = asyncio.run(go())
-    ref = {}
-    for i, p in enumerate(ids):
-        eng.add_request(f"p{i}", p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                ref[int(o.request_id[1:])] = o.token_ids
-    assert got == [ref[i] for i in range(len(ids))]
+    assert got == want
     after = ray.get(router.stats.remote())["counters"]
     assert after["retries"] > before["retries"]
     _wait_pools(router, 2, 2)

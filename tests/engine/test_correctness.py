@@ -78,6 +78,24 @@ def test_tiny_chunked_prefill_matches_hf(tiny_model_dir):
     check_against_hf(engine, make_prompts(8, engine.vocab_size, seed=3))
 
 
+def test_tiny_prefill_cap_keeps_decodes_going_and_matches_hf(tiny_model_dir):
+    # At most 8 prompt tokens a step: long prompts take many steps, mixed with the running decodes.
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=256, block_size=4,
+                                    max_prefill_tokens_per_step=8))
+    steps = []
+    step = engine.step
+
+    def recording_step():
+        outs = step()
+        steps.append(engine.last_step)
+        return outs
+
+    engine.step = recording_step
+    check_against_hf(engine, make_prompts(8, engine.vocab_size, seed=4))
+    assert max(s.num_prefill_tokens for s in steps) == 8
+    assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
+
+
 @pytest.fixture(scope="module")
 def smol():
     return LLMEngine(EngineConfig(model=None, num_kv_blocks=512, block_size=16, max_num_batched_tokens=256))

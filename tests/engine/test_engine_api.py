@@ -71,6 +71,8 @@ def test_bad_engine_config():
         EngineConfig(batching="weird")
     with pytest.raises(EngineConfigError, match="block_size"):
         EngineConfig(block_size=0)
+    with pytest.raises(EngineConfigError, match="max_prefill_tokens_per_step"):
+        EngineConfig(max_prefill_tokens_per_step=0)
 
 
 def test_abort_mid_generation_frees_blocks(llm):
