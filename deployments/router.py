@@ -261,6 +261,9 @@ class Router:
         w = min(candidates, key=lambda w: w.queued_prompt_tokens)
         if allow_local and self._prefill_locally(t, w.queued_prompt_tokens):
             return
+        self._send_to_prefill(t, w)
+
+    def _send_to_prefill(self, t: _Tracked, w: _Worker) -> None:
         w.queued_prompt_tokens += len(t.req.prompt_token_ids)
         t.stage, t.worker_id, t.prefill_worker_id, t.handle = "prefill", w.worker_id, w.worker_id, None
         w.actor.add.remote(t.req)
@@ -464,32 +467,46 @@ class Router:
         params = replace(t.params, max_tokens=remaining, min_tokens=max(0, t.params.min_tokens - n))
         t.req = replace(req, prompt_token_ids=prompt, params=params, offset=n, attempt=req.attempt + 1)
         t.handle = None
-        if counter == "migrations" and self._resume_on_decode(t, moving if moving is not None else {}):
-            return
-        self._place_prefill(rid, allow_local=False)
+        if counter == "migrations":
+            self._place_moved(t, moving if moving is not None else {})
+        else:
+            self._place_prefill(rid, allow_local=False)
 
-    def _resume_on_decode(self, t: _Tracked, moving: dict[str, int]) -> bool:
-        """Move a sequence of a dead decode worker straight to a live one, which recomputes its KV in
-        its running batch. The prefill pool may be a full step (seconds on a CPU) and a queue of new
-        prompts away; this way the client's stall is about one chunked prefill of its sequence.
-
-        When several sequences move at once, one survivor recomputing them all would stall each client
-        for all of them: a sequence goes to the prefill pool instead (then over KV transfer, in
-        parallel) when the least loaded prefill worker has fewer queued tokens than the survivor has
-        prompt tokens still to compute (moved sequences, local prefills). False: the caller sends it
-        through prefill. `moving` adds up the recompute tokens by destination, for the log."""
+    def _place_moved(self, t: _Tracked, moving: dict[str, int]) -> None:
+        """Place a sequence of a dead decode worker where its next token comes soonest, by the prompt
+        tokens each destination has to compute first:
+        - a live decode worker recomputes it in its running batch (`_run_whole`): its queued prompt
+          tokens (moved sequences, local prefills) plus the whole sequence; no KV transfer;
+        - a prefill worker, then KV transfer: its queued prompt tokens plus the sequence, less the
+          prompt blocks still in its prefix cache if it is the worker that prefilled this request
+          (they stay cached after the transfer until the space is needed), so there only the tokens
+          generated since are recomputed.
+        Ties go to the decode worker. Placed one by one (longest first), so several moved sequences
+        spread over the pools instead of queueing on one worker. `moving` adds up, by destination,
+        the tokens each was given, for the log."""
         n = len(t.req.prompt_token_ids)
         need = self._blocks_needed(n)
+        # (tokens computed before its next token, tie-break, destination, its own tokens to compute)
+        options: list[tuple[int, int, _Worker, int]] = []
         w = self._pick_decode(need)
-        if w is None:
-            return False
-        prefill = [p for p in self.prefill.values() if p.ready and not p.draining]
-        if prefill and min(p.queued_prompt_tokens for p in prefill) < self._prefill_backlog(w):
-            moving["prefill"] = moving.get("prefill", 0) + n
-            return False
-        moving[w.worker_id] = moving.get(w.worker_id, 0) + n
-        self._run_whole(t, w, need)
-        return True
+        if w is not None:
+            options.append((self._prefill_backlog(w) + n, 0, w, n))
+        bs = self.config.block_size
+        for p in self.prefill.values():
+            if p.ready and not p.draining:
+                cached = 0
+                if p.worker_id == t.prefill_worker_id:
+                    cached = min(t.req.num_original_prompt_tokens // bs * bs, n - 1)
+                options.append((p.queued_prompt_tokens + n - cached, 1, p, n - cached))
+        if not options:
+            self._place_prefill(t.req.request_id, allow_local=False)  # waits for a worker
+            return
+        _, _, dest, own = min(options, key=lambda o: o[:2])
+        moving[dest.worker_id] = moving.get(dest.worker_id, 0) + own
+        if dest.role == "decode":
+            self._run_whole(t, dest, need)
+        else:
+            self._send_to_prefill(t, dest)
 
     def _run_whole(self, t: _Tracked, w: _Worker, need: int) -> None:
         """Hand `t` to decode worker `w` to run from its prompt (colocated, or a migrated sequence)."""
@@ -590,7 +607,7 @@ class Router:
         # The clients' tokens, fetched at once: a moved sequence recomputes its prompt plus these.
         delivered = await asyncio.gather(*[self._delivered(t.req) for t, _ in lost])
         # NOTE: longest recompute first (within a priority), each to the least loaded destination
-        # (`_resume_on_decode`): the longest-processing-time rule, so the last client to get its next
+        # (`_place_moved`): the longest-processing-time rule, so the last client to get its next
         # token waits for about the longest sequence, not for two long ones on one worker. Placed in
         # arrival order, two long sequences could land together (measured: a 1.99 s stall, against
         # 1.4-1.6 s when they did not).

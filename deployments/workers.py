@@ -79,7 +79,8 @@ class _EngineWorker:
             self.engine.check_integrity()
             bm = self.engine.block_manager
             return {"num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
-                    "num_requests": len(self.requests), "num_steps": self.num_steps}
+                    "num_requests": len(self.requests), "num_steps": self.num_steps,
+                    "num_cached_tokens": self.engine.scheduler.num_cached_tokens}
 
     def shutdown(self) -> None:
         self._alive = False

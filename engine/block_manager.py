@@ -1,9 +1,14 @@
-"""The KV block pool: free list and reference counts. It knows nothing about requests."""
+"""The KV block pool: free list, reference counts and the prefix cache. It knows nothing about requests."""
 
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import OrderedDict
+from typing import Hashable
+
+# A full block's identity for the prefix cache: (hash of the previous block's key, this block's tokens).
+# Two blocks with equal keys hold the same KV (same model, same tokens at the same positions).
+BlockKey = tuple[int, tuple[int, ...]]
 
 
 class OutOfBlocksError(RuntimeError):
@@ -15,6 +20,11 @@ class BlockManager:
 
     NOTE: invariant: every block is either in the free queue with ref count 0, or out of it with a
     ref count > 0. `check_integrity` asserts it; tests run it after every scenario.
+
+    Prefix cache: a full block whose KV was computed may be registered under its `BlockKey`. It keeps
+    that key after it is freed, in the free queue, until `allocate` hands it out again (the front of
+    the queue: least recently freed first), so a later request with the same prefix takes it back
+    (`lookup` + `take`) instead of recomputing it. Cached blocks count as free.
     """
 
     MAX_RUN_SEARCH = 16384  # free blocks beyond which allocate_contiguous only looks at the queue's front
@@ -23,8 +33,11 @@ class BlockManager:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        # An ordered set: O(1) removal of a cached block taken back from the middle of the queue.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._keys: list[Hashable | None] = [None] * num_blocks  # block -> its prefix-cache key
+        self._cached: dict[Hashable, int] = {}  # key -> block
 
     @property
     def num_free_blocks(self) -> int:
@@ -44,9 +57,10 @@ class BlockManager:
         """Take `num_blocks` blocks off the front of the free queue (ref count 1 each)."""
         if num_blocks > len(self._free):
             raise OutOfBlocksError(f"need {num_blocks} KV blocks, {len(self._free)} free")
-        block_ids = [self._free.popleft() for _ in range(num_blocks)]
+        block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
         for b in block_ids:
             self._ref_counts[b] = 1
+            self._evict(b)
         return block_ids
 
     def allocate_contiguous(self, num_blocks: int) -> list[int] | None:
@@ -66,10 +80,10 @@ class BlockManager:
             if i == len(free) or free[i] != free[i - 1] + 1:
                 if i - start >= num_blocks:
                     chosen = free[start:start + num_blocks]
-                    taken = set(chosen)
-                    self._free = deque(b for b in self._free if b not in taken)
                     for b in chosen:
+                        del self._free[b]
                         self._ref_counts[b] = 1
+                        self._evict(b)
                     return chosen
                 start = i
         return None
@@ -85,7 +99,53 @@ class BlockManager:
             assert self._ref_counts[b] > 0, f"double free of block {b}"
             self._ref_counts[b] -= 1
             if self._ref_counts[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+
+    # ------------------------------------------------------------------ prefix cache
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def _evict(self, block_id: int) -> None:
+        key = self._keys[block_id]
+        if key is not None:
+            self._keys[block_id] = None
+            del self._cached[key]
+
+    def register(self, block_id: int, key: Hashable) -> None:
+        """Record that `block_id` (in use, full, computed) holds the KV of `key`. A key already cached
+        keeps its block; this one then stays private to its request."""
+        assert self._ref_counts[block_id] > 0, f"register of free block {block_id}"
+        if key not in self._cached and self._keys[block_id] is None:
+            self._cached[key] = block_id
+            self._keys[block_id] = key
+
+    def lookup(self, keys: list[Hashable]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` (no references taken)."""
+        out = []
+        for key in keys:
+            b = self._cached.get(key)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_free_after_taking(self, block_ids: list[int]) -> int:
+        """Free blocks left once `take(block_ids)` has revived the free ones among them."""
+        return len(self._free) - sum(1 for b in block_ids if self._ref_counts[b] == 0)
+
+    def take(self, block_ids: list[int]) -> None:
+        """Add a reference to each of `block_ids` (cached blocks from `lookup`), reviving free ones."""
+        for b in block_ids:
+            if self._ref_counts[b] == 0:
+                del self._free[b]
+            self._ref_counts[b] += 1
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached key (the blocks stay where they are)."""
+        for b in self._cached.values():
+            self._keys[b] = None
+        self._cached.clear()
 
     def check_integrity(self) -> None:
         """Raise AssertionError if free + used != total or a ref count disagrees with the free queue."""
@@ -97,3 +157,6 @@ class BlockManager:
         )
         for b in free_set:
             assert self._ref_counts[b] == 0, f"free block {b} has ref count {self._ref_counts[b]}"
+        assert len(self._cached) == sum(k is not None for k in self._keys), "prefix cache and block keys disagree"
+        for key, b in self._cached.items():
+            assert self._keys[b] == key, f"cached block {b} lost its key"

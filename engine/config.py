@@ -34,6 +34,9 @@ class EngineConfig:
     # that prefills 1024 tokens takes seconds on a CPU thread, and every sequence decoding in the same
     # batch waits for it: a cap bounds that gap and lets sequences join between chunks.
     max_prefill_tokens_per_step: int | None = None
+    # Keep the KV of full blocks after their request ends, keyed by the tokens they hold, so a later
+    # request sharing that prefix (a system prompt, a preempted or moved sequence) skips recomputing it.
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None
     batching: BatchingPolicy = "continuous"
     # `dynamic` batching: start a batch when it is full or the oldest request waited this long.

@@ -253,7 +253,7 @@ class LLMEngine:
             request_id=req.request_id, new_token_ids=new_ids, token_ids=list(req.output_token_ids),
             finished=status is not None, finish_reason=None if status is None else status.value,
             text=req.output_text if status is not None else "", num_prompt_tokens=req.num_prompt_tokens,
-            block_ids=block_ids)
+            num_cached_tokens=req.num_cached_tokens, block_ids=block_ids)
 
     def _hit_stop_string(self, req: Request) -> bool:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)

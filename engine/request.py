@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_manager import BlockKey
 from engine.sampling_params import SamplingParams
 
 
@@ -54,6 +55,20 @@ class Request:
     stop_reason: str | int | None = None
     generator: torch.Generator | None = None
     first_token_time: float | None = None
+    # Prefix cache, owned by the scheduler: keys of the full blocks so far, how many of this request's
+    # blocks are registered in the cache, and how many prompt tokens the last admission found cached.
+    block_keys: list[BlockKey] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
+
+    def full_block_keys(self, num_blocks: int, block_size: int) -> list[BlockKey]:
+        """The prefix-cache keys of this request's first `num_blocks` full blocks (computed once)."""
+        keys = self.block_keys
+        if len(keys) < num_blocks:
+            tokens = self.all_token_ids
+            for i in range(len(keys), num_blocks):
+                keys.append((hash(keys[-1]) if keys else 0, tuple(tokens[i * block_size:(i + 1) * block_size])))
+        return keys[:num_blocks]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -88,5 +103,7 @@ class RequestOutput:
     finish_reason: str | None = None
     text: str = ""
     num_prompt_tokens: int = 0
+    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0
     # Set for prefill-only requests once prefill is done: the blocks that hold the prompt's KV.
     block_ids: list[int] | None = None

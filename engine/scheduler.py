@@ -55,6 +55,7 @@ class Scheduler:
         # Offline use sets this: no more arrivals are coming, so a static batch need not wait to fill.
         self.draining = False
         self.num_preemptions = 0
+        self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache, all requests so far
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -118,6 +119,7 @@ class Scheduler:
         self.running.remove(request)
         self._free_blocks(request)
         request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.batching != "continuous":
@@ -191,16 +193,24 @@ class Scheduler:
             if not self._admission_open():
                 break
             req = self.waiting[0]
-            num_new = req.num_tokens - req.num_computed_tokens
+            hits = self._cached_prefix(req)
+            num_computed = req.num_computed_tokens + len(hits) * bm.block_size
+            num_new = req.num_tokens - num_computed
             limit = min(budget, prefill_budget)
             if num_new > limit:
                 if not chunked:
                     break
                 num_new = limit
-            need = bm.blocks_for_tokens(req.num_computed_tokens + num_new) - len(req.block_table)
-            if need > bm.num_free_blocks:
+            need = bm.blocks_for_tokens(num_computed + num_new) - len(req.block_table) - len(hits)
+            if need > (bm.num_free_after_taking(hits) if hits else bm.num_free_blocks):
                 break
             self.waiting.pop(0)
+            if hits:
+                bm.take(hits)
+                req.block_table = hits
+                req.num_computed_tokens, req.num_registered_blocks = num_computed, len(hits)
+            req.num_cached_tokens = len(hits) * bm.block_size
+            self.num_cached_tokens += req.num_cached_tokens
             if self.config.batching != "continuous":
                 self._batch_quota -= 1
             if need > 0:
@@ -216,5 +226,22 @@ class Scheduler:
             prefill_budget -= num_new
         return out
 
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding `req`'s first tokens, for a request starting from nothing. The last
+        token is always computed: its logits give the next token."""
+        if not self.config.enable_prefix_caching or req.block_table or req.num_computed_tokens:
+            return []
+        n = (req.num_tokens - 1) // self.block_manager.block_size
+        return self.block_manager.lookup(req.full_block_keys(n, self.block_manager.block_size)) if n else []
+
     def postprocess_chunk(self, chunk: ScheduledChunk) -> None:
-        chunk.request.num_computed_tokens += chunk.num_new_tokens
+        req = chunk.request
+        req.num_computed_tokens += chunk.num_new_tokens
+        if self.config.enable_prefix_caching:
+            bm = self.block_manager
+            full = req.num_computed_tokens // bm.block_size
+            if full > req.num_registered_blocks:
+                keys = req.full_block_keys(full, bm.block_size)
+                for i in range(req.num_registered_blocks, full):
+                    bm.register(req.block_table[i], keys[i])
+                req.num_registered_blocks = full

@@ -167,6 +167,47 @@ def test_prefill_backlog_spills_onto_decode_workers(cluster, long_prompts):
     _assert_clean(router)
 
 
+def test_moved_sequence_recomputes_from_its_prefill_workers_prefix_cache(cluster, engine):
+    # One long request; its decode worker dies mid-stream. The prefill worker that prefilled it still
+    # caches its prompt's blocks, so the move goes there and only the generated tokens are recomputed.
+    router, hub = cluster
+    ids = engine.apply_chat_template([{"role": "user", "content": "Tell me about a lighthouse keeper. " * 20}])
+    engine.add_request("lighthouse", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    want = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            want = o.token_ids if o.finished else want
+    backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
+    _wait_pools(router, 2, 2)
+    before = ray.get(router.stats.remote())["counters"]
+    cached = []
+
+    async def go():
+        async def killer(progress):
+            deadline = time.monotonic() + 120
+            while progress[0] < 5:
+                assert time.monotonic() < deadline, progress
+                await asyncio.sleep(0.05)
+            stats = await router.stats.remote()
+            victim = next(wid for wid, d in stats["decode"].items() if d["running"])
+            cached.append(_prefill_cached_tokens(router))
+            ray.kill((await router.workers.remote())[victim])
+        return await _run_all(backend, [ids], killer)
+
+    got, _ = asyncio.run(go())
+    assert got == [want]
+    after = ray.get(router.stats.remote())["counters"]
+    assert after["migrations"] == before["migrations"] + 1
+    assert _prefill_cached_tokens(router) - cached[0] == len(ids) // 16 * 16  # every full prompt block
+    _wait_pools(router, 2, 2)
+    _assert_clean(router)
+
+
+def _prefill_cached_tokens(router) -> int:
+    use = ray.get(router.check_integrity.remote(), timeout=30)
+    return sum(u["num_cached_tokens"] for wid, u in use.items() if "prefill" in wid)
+
+
 def test_prefill_worker_dies_requests_retried(cluster, long_prompts):
     router, hub = cluster
     ids, want = long_prompts

@@ -67,3 +67,32 @@ def test_allocate_contiguous_prefers_the_queue_front():
     bm.free([3, 4, 5, 6, 7])
     bm.check_integrity()
     assert bm.num_free_blocks == 8
+
+
+def test_prefix_cache_keeps_freed_blocks_until_they_are_reallocated():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = bm.allocate(2)  # [0, 1]
+    bm.register(a[0], "k0")
+    bm.register(a[1], "k1")
+    bm.register(a[1], "other")  # a block has one key
+    assert bm.lookup(["k0", "k1", "k2"]) == [0, 1]
+    assert bm.lookup(["k1"]) == [1] and bm.lookup(["nope", "k1"]) == []  # a prefix, from the start
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2  # cached blocks count as free
+    assert list(bm._free) == [2, 3, 0, 1]
+    # Taking cached blocks back revives them out of the middle of the queue.
+    assert bm.num_free_after_taking([0]) == 3
+    bm.take([0])
+    bm.take([0])  # a second request sharing it
+    assert list(bm._free) == [2, 3, 1]
+    bm.check_integrity()
+    # Allocation hands out the queue's front; a cached block handed out loses its key.
+    assert bm.allocate(3) == [2, 3, 1]
+    assert bm.lookup(["k0", "k1"]) == [0] and bm.num_cached_blocks == 1
+    bm.check_integrity()
+    bm.free([0])
+    assert bm.num_free_blocks == 0  # still referenced once
+    bm.free([0, 2, 3, 1])
+    bm.reset_prefix_cache()
+    assert bm.lookup(["k0"]) == [] and bm.num_free_blocks == 4
+    bm.check_integrity()

@@ -96,6 +96,29 @@ def test_tiny_prefill_cap_keeps_decodes_going_and_matches_hf(tiny_model_dir):
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps)
 
 
+def test_tiny_prefix_cache_hits_match_hf(tiny_model_dir):
+    # Prompts sharing a 30-token prefix, and a repeat of a finished prompt: later ones take the shared
+    # blocks from the prefix cache (some while their first owner still runs) and compute the rest.
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=256, block_size=4))
+    rng = random.Random(5)
+    shared = [rng.randrange(3, engine.vocab_size) for _ in range(30)]
+    prompts = [shared + [rng.randrange(3, engine.vocab_size) for _ in range(n)] for n in (1, 5, 9, 17, 2)]
+    prompts.append(list(prompts[1]))
+    cached = {}
+    step = engine.step
+
+    def recording_step():
+        outs = step()
+        cached.update({o.request_id: o.num_cached_tokens for o in outs})
+        return outs
+
+    engine.step = recording_step
+    check_against_hf(engine, prompts)
+    assert cached["r0"] == 0 and all(cached[f"r{i}"] == 28 for i in range(1, 5))  # 7 full blocks of 4
+    assert cached["r5"] == 32  # all but the block of its last token
+    assert engine.block_manager.num_cached_blocks > 0
+
+
 @pytest.fixture(scope="module")
 def smol():
     return LLMEngine(EngineConfig(model=None, num_kv_blocks=512, block_size=16, max_num_batched_tokens=256))
