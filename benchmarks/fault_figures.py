@@ -137,6 +137,9 @@ def main(argv=None) -> int:
     p.add_argument("--kv-cache-mb", type=int, default=2048,
                    help="KV pool per worker (the server's default). With too small a pool the survivor cannot "
                         "hold the dead worker's sequences, and they wait for the replacement to load its model")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=ServeConfig().local_prefill_max_tokens,
+                   help="conditional disaggregation (the server's default; 0: every prompt through the prefill pool)")
+    p.add_argument("--decode-max-prefill-tokens", type=int, default=ServeConfig().decode_max_prefill_tokens)
     p.add_argument("--burst-kv-cache-mb", type=int, default=128, help="KV pool per worker in the burst phase")
     args = p.parse_args(argv)
 
@@ -148,7 +151,8 @@ def main(argv=None) -> int:
         # Phase 1 runs fixed pools (1 prefill + 2 decode), so the stall measures recovery alone and not
         # a prefill scale-up that happens to start at the same time; phase 2 gets a fresh app that scales.
         cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, health_check_timeout_s=5.0,
-                          kv_cache_memory_mb=args.kv_cache_mb)
+                          kv_cache_memory_mb=args.kv_cache_mb, local_prefill_max_tokens=args.local_prefill_max_tokens,
+                          decode_max_prefill_tokens=args.decode_max_prefill_tokens)
         target = reprefill_s + 1
         longest = max(len(p) + m for p, m in reqs)
         summary = []
@@ -179,6 +183,8 @@ def main(argv=None) -> int:
                           f"from t={gap_at[i]:.1f}s, error={e}")
             print("  router decisions:", [(round(d['time'] - time.time(), 1), d['pool'], d['action'], d['reason'])
                                           for d in stats['decisions']])
+            print("  moves (to, tokens, recomputed there, prompt tokens queued ahead):",
+                  [(m["to"], m["tokens"], m["recompute_tokens"], m["tokens_ahead"]) for m in stats["moves"]])
             shutdown_router()
         print(f"\n== {len(summary)} kills: requests lost {sum(x[1] for x in summary)} (target 0); identical outputs "
               f"{sum(x[2] for x in summary)}/{len(summary) * len(reqs)}; migrated "

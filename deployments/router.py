@@ -98,6 +98,7 @@ class Router:
         self.scale = {"prefill": _ScaleState(), "decode": _ScaleState()}
         self._replacing = {"prefill": 0, "decode": 0}  # dead workers whose replacement is pending
         self.decisions: deque[dict] = deque(maxlen=100)
+        self.moves: deque[dict] = deque(maxlen=100)  # where dead decode workers' sequences went
         self._next_id = {"prefill": 0, "decode": 0}
         self._ready = asyncio.Event()
         self._startup_error: str | None = None
@@ -477,10 +478,12 @@ class Router:
         tokens each destination has to compute first:
         - a live decode worker recomputes it in its running batch (`_run_whole`): its queued prompt
           tokens (moved sequences, local prefills) plus the whole sequence; no KV transfer;
-        - a prefill worker, then KV transfer: its queued prompt tokens plus the sequence, less the
-          prompt blocks still in its prefix cache if it is the worker that prefilled this request
-          (they stay cached after the transfer until the space is needed), so there only the tokens
-          generated since are recomputed.
+        - a prefill worker, then KV transfer: the prompt tokens queued there that arrived before this
+          request (a moved request keeps its arrival time, so it queues ahead of newer prompts), or
+          at least the step under way, and those of the sequences moved there before it, plus the
+          sequence, less the prompt blocks still in its prefix cache if it is the worker that
+          prefilled this request (they stay cached after the transfer until the space is needed), so
+          there only the tokens generated since are recomputed.
         Ties go to the decode worker. Placed one by one (longest first), so several moved sequences
         spread over the pools instead of queueing on one worker. `moving` adds up, by destination,
         the tokens each was given, for the log."""
@@ -492,17 +495,27 @@ class Router:
         if w is not None:
             options.append((self._prefill_backlog(w) + n, 0, w, n))
         bs = self.config.block_size
+        older: dict[str, int] = {}  # prompt tokens queued on each prefill worker that arrived before t
+        for o in self.tracked.values():
+            if o.stage == "prefill" and o.req.arrival_time <= t.req.arrival_time:
+                older[o.worker_id] = older.get(o.worker_id, 0) + len(o.req.prompt_token_ids)
         for p in self.prefill.values():
             if p.ready and not p.draining:
                 cached = 0
                 if p.worker_id == t.prefill_worker_id:
                     cached = min(t.req.num_original_prompt_tokens // bs * bs, n - 1)
-                options.append((p.queued_prompt_tokens + n - cached, 1, p, n - cached))
+                # The step under way (its oldest prompts, up to a step's budget) ends first, and moved
+                # sequences placed before this one (longer, maybe newer) also run first.
+                running = min(p.queued_prompt_tokens, self.config.max_num_batched_tokens)
+                before = max(older.get(p.worker_id, 0), running) + moving.get(p.worker_id, 0)
+                options.append((before + n - cached, 1, p, n - cached))
         if not options:
             self._place_prefill(t.req.request_id, allow_local=False)  # waits for a worker
             return
-        _, _, dest, own = min(options, key=lambda o: o[:2])
+        cost, _, dest, own = min(options, key=lambda o: o[:2])
         moving[dest.worker_id] = moving.get(dest.worker_id, 0) + own
+        self.moves.append({"time": time.time(), "request_id": t.req.request_id, "to": dest.worker_id,
+                           "tokens": n, "recompute_tokens": own, "tokens_ahead": cost - own})
         if dest.role == "decode":
             self._run_whole(t, dest, need)
         else:
@@ -782,6 +795,7 @@ class Router:
             "num_unplaced": len(self.unplaced),
             "pools": {"prefill": pool_view("prefill"), "decode": pool_view("decode")},
             "decisions": list(self.decisions)[-20:],
+            "moves": list(self.moves)[-20:],
             "prefill": {w.worker_id: {"queued_prompt_tokens": w.queued_prompt_tokens, "ready": w.ready,
                                       "draining": w.draining, "node_id": w.info.get("node_id"),
                                       "created_at": w.created_at, "ready_at": w.ready_at}
