@@ -36,6 +36,8 @@ class TokenDelta:
     token_ids: tokens generated since the previous event (may be empty on the final event).
     finish_reason: set iff `finished`; one of FINISH_REASONS. "error" comes with `error`.
     num_prompt_tokens: the prompt length as the backend counted it (for usage).
+    num_cached_tokens: prompt tokens whose KV the prefill took from the prefix cache (for usage's
+        `prompt_tokens_details.cached_tokens`); the first event's value is the one that counts.
     """
 
     token_ids: list[int]
@@ -43,6 +45,7 @@ class TokenDelta:
     finish_reason: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class QueueFullError(RuntimeError):
@@ -237,7 +240,8 @@ class LocalEngineBackend:
                         self._cv.wait(timeout=0.005)
             for out in outputs:
                 self._deliver(out.request_id, TokenDelta(
-                    list(out.new_token_ids), out.finished, out.finish_reason, None, out.num_prompt_tokens))
+                    list(out.new_token_ids), out.finished, out.finish_reason, None, out.num_prompt_tokens,
+                    out.num_cached_tokens))
 
     def _apply(self, cmd: _Command) -> None:
         eng = self.engine

@@ -45,6 +45,10 @@ class BenchConfig:
     dataset: str | None = None  # JSONL with a "prompt" field (text or token ids); optional "max_tokens"
     vocab_size: int = 32000  # random prompt token ids are drawn from [low_token_id, vocab_size)
     low_token_id: int = 100  # skip the special tokens at the start of most vocabularies
+    # Shared-prefix workload: each random prompt starts with one of `prefix_groups` random prefixes of
+    # `prefix_len` tokens (a system prompt, few-shot examples), then its own input_len tokens.
+    prefix_groups: int = 0
+    prefix_len: int = 0
     seed: int = 0
     timeout_s: float = 600.0  # the whole run; unfinished requests then count as failed
     slo_ttft_ms: float | None = None
@@ -70,6 +74,11 @@ class BenchConfig:
                 raise ValueError(f"{name} must be LO,HI with 1 <= LO <= HI, got {r}")
         if min(self.input_len, self.output_len) < 1:
             raise ValueError("input_len and output_len must be >= 1")
+        if self.prefix_groups < 0 or self.prefix_len < 0 or bool(self.prefix_groups) != bool(self.prefix_len):
+            raise ValueError(f"prefix_groups and prefix_len must both be > 0 (or both 0), got "
+                             f"{self.prefix_groups} and {self.prefix_len}")
+        if self.prefix_groups and self.dataset:
+            raise ValueError("prefix_groups / prefix_len shape random prompts; they cannot go with dataset")
         if not self.low_token_id < self.vocab_size:
             raise ValueError(f"low_token_id ({self.low_token_id}) must be below vocab_size ({self.vocab_size})")
         if not self.base_url.startswith(("http://", "https://")):
@@ -105,6 +114,8 @@ class RequestResult:
     e2e: float | None = None
     chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens the server had cached
     usage_reported: bool = False
     ok: bool = False
     error: str | None = None
@@ -138,9 +149,13 @@ def make_requests(cfg: BenchConfig) -> list[BenchRequest]:
         return [BenchRequest(r["prompt"], int(r.get("max_tokens") or _length(rng, cfg.output_len, cfg.output_len_range)))
                 for r in picks]
     out = []
+    prefixes = [[rng.randrange(cfg.low_token_id, cfg.vocab_size) for _ in range(cfg.prefix_len)]
+                for _ in range(cfg.prefix_groups)]
     for _ in range(cfg.num_prompts):
         n = _length(rng, cfg.input_len, cfg.input_len_range)
         prompt = [rng.randrange(cfg.low_token_id, cfg.vocab_size) for _ in range(n)]
+        if prefixes:
+            prompt = prefixes[rng.randrange(len(prefixes))] + prompt
         out.append(BenchRequest(prompt, _length(rng, cfg.output_len, cfg.output_len_range)))
     return out
 
@@ -183,7 +198,10 @@ async def _send(client: Any, cfg: BenchConfig, req: BenchRequest, res: RequestRe
                     res.error = f"in-stream error: {chunk['error']}"
                     return
                 if chunk.get("usage"):
-                    res.num_output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                    usage = chunk["usage"]
+                    res.num_output_tokens = int(usage.get("completion_tokens") or 0)
+                    res.num_prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    res.num_cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
                     res.usage_reported = True
                 choices = chunk.get("choices") or []
                 if not choices:
@@ -313,6 +331,9 @@ def compute_metrics(cfg: BenchConfig, results: list[RequestResult], duration_s: 
         "errors": errors,
         "usage_reported": sum(r.usage_reported for r in ok),
         "total_output_tokens": out_tokens,
+        "total_prompt_tokens": sum(r.num_prompt_tokens for r in ok),
+        # Prompt tokens the server reported served from its prefix cache (usage.prompt_tokens_details).
+        "cached_prompt_tokens": sum(r.num_cached_tokens for r in ok),
         "request_throughput": len(ok) / duration_s,
         "output_throughput": out_tokens / duration_s,
         "goodput": good / duration_s,
@@ -340,7 +361,8 @@ def throughput_timeline(results: list[RequestResult], bucket_s: float = 1.0) -> 
 
 def _request_row(r: RequestResult) -> dict[str, Any]:
     return {"index": r.index, "ok": r.ok, "error": r.error, "max_tokens": r.max_tokens,
-            "output_tokens": r.num_output_tokens, "start_s": r.start, "ttft_s": r.ttft, "tpot_s": r.tpot,
+            "output_tokens": r.num_output_tokens, "prompt_tokens": r.num_prompt_tokens,
+            "cached_tokens": r.num_cached_tokens, "start_s": r.start, "ttft_s": r.ttft, "tpot_s": r.tpot,
             "e2e_s": r.e2e}
 
 
@@ -366,7 +388,8 @@ def print_report(result: dict, title: str = "pdserve bench") -> None:
                         ("request throughput (req/s)", _f(m["request_throughput"], 2)),
                         ("output throughput (tok/s)", _f(m["output_throughput"], 1)),
                         (f"goodput (req/s, SLO {slo})", _f(m["goodput"], 2)),
-                        ("output tokens (usage-reported reqs)", f"{m['total_output_tokens']} ({m['usage_reported']})")]:
+                        ("output tokens (usage-reported reqs)", f"{m['total_output_tokens']} ({m['usage_reported']})"),
+                        ("prompt tokens / of them cached", f"{m['total_prompt_tokens']} / {m['cached_prompt_tokens']}")]:
         table.add_row(name, value)
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
         s = m[key]
@@ -430,6 +453,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--output-len-range", type=_range, default=None, metavar="LO,HI")
     b.add_argument("--dataset", default=None, help="JSONL file with a \"prompt\" field per line")
     b.add_argument("--vocab-size", type=int, default=32000, help="random prompt token ids stay below this")
+    b.add_argument("--prefix-groups", type=int, default=0,
+                   help="shared-prefix workload: this many distinct random prefixes, one per prompt")
+    b.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared prefix")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--timeout-s", type=float, default=600.0, help="bound on the whole run")
     b.add_argument("--slo-ttft-ms", type=float, default=None)

@@ -66,6 +66,10 @@ class ServeConfig:
     # Conditional disaggregation: a prompt of at most this many tokens is prefilled on a decode worker
     # when that would start it sooner than the prefill pool's queue would. 0: always the prefill pool.
     local_prefill_max_tokens: int = 512
+    # Automatic prefix caching in every engine, and the router sending each prompt where its prefix is
+    # likely cached (weighed against the queues). Routing needs caching.
+    enable_prefix_caching: bool = True
+    prefix_aware_routing: bool = True
     # Router: requests admitted but not yet decoding, beyond which new ones get 429.
     max_queued_requests: int = 256
     kv_lease_s: float = 60.0
@@ -134,6 +138,10 @@ class ServeConfig:
         self.engine_config("decode")  # checks the engine fields too
 
     @property
+    def routes_by_prefix(self) -> bool:
+        return self.prefix_aware_routing and self.enable_prefix_caching
+
+    @property
     def colocated(self) -> bool:
         """No prefill pool: every decode worker runs whole requests (chunked prefill mixed into its
         decode batch), as one engine would. Nothing moves over the KV transport."""
@@ -162,7 +170,8 @@ class ServeConfig:
         return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
                             kv_cache_memory_mb=self.kv_cache_memory_mb, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            num_threads=self.threads_per_worker, max_prefill_tokens_per_step=cap)
+                            num_threads=self.threads_per_worker, max_prefill_tokens_per_step=cap,
+                            enable_prefix_caching=self.enable_prefix_caching)
 
     @property
     def served_model_name(self) -> str:

@@ -171,6 +171,7 @@ async def generate_stream(state: ServingState, request_id: str, prompt_ids: list
     detok = IncrementalDetokenizer(state.tokenizer)
     stops = StopStringFilter(params.stop)
     num_generated = 0
+    num_cached = 0  # the first event's: what the (first) prefill found in the prefix cache
     done = False  # the backend has nothing more for this request
 
     def chunk(text: str, token_ids: list[int], finish_reason: str = "") -> pdserve_pb2.GenerateResponse:
@@ -180,6 +181,7 @@ async def generate_stream(state: ServingState, request_id: str, prompt_ids: list
             out.usage.prompt_tokens = len(prompt_ids)
             out.usage.completion_tokens = num_generated
             out.usage.total_tokens = len(prompt_ids) + num_generated
+            out.usage.cached_tokens = num_cached
         return out
 
     try:
@@ -196,6 +198,7 @@ async def generate_stream(state: ServingState, request_id: str, prompt_ids: list
             done = True
             raise GRPCError(grpc.StatusCode.INTERNAL, "the backend ended the request without output") from None
         delta: TokenDelta = first
+        num_cached = first.num_cached_tokens
         while True:
             num_generated += len(delta.token_ids)
             text = detok.push(delta.token_ids)

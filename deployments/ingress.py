@@ -130,6 +130,7 @@ class TextStream:
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_completion_tokens = 0
+        self.num_cached_tokens = 0  # from the first event: what the (first) prefill found cached
         self.finish_reason: str | None = None
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(params.stop)
@@ -148,6 +149,7 @@ class TextStream:
             self._done = True  # rejected (queue full, invalid): never accepted, nothing to abort
             raise
         first = self._first
+        self.num_cached_tokens = first.num_cached_tokens
         if first.finished and first.finish_reason == "error" and not first.token_ids:
             self._done = True
             raise APIError(500, f"generation failed: {first.error}", "server_error")
@@ -197,7 +199,7 @@ class TextStream:
 
     @property
     def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.num_prompt_tokens, self.num_completion_tokens)
+        return UsageInfo.of(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
 
 
 # ---------------------------------------------------------------------- app state

@@ -42,6 +42,7 @@ class StreamEvent:
     finish_reason: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefill found in the prefix cache (first event counts)
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """The router: one Ray actor that owns the worker pools and decides where each request goes.
 
-    submit ─▶ prefill worker (least queued prompt tokens)
+    submit ─▶ prefill worker (least prompt tokens to compute: its queue + the uncached part)
                  │ on_prefilled(KVHandle)
                  ▼
     pending-decode queue ─▶ decode worker with room (after every step report)
@@ -30,6 +30,7 @@ import ray
 from deployments import metrics
 from deployments.config import ServeConfig
 from deployments.messages import DecodeReport, GenRequest, StreamEvent
+from deployments.prefix_index import PrefixIndex, block_hashes
 from deployments.workers import DecodeWorker, PrefillWorker
 from engine import SamplingParams
 from kv_transfer import KVHandle
@@ -53,6 +54,7 @@ class _Tracked:
     worker_id: str | None = None
     handle: KVHandle | None = None
     prefill_worker_id: str | None = None
+    queued_tokens: int = 0  # what it added to its prefill worker's queue: its prompt less the cached part
 
 
 @dataclass(slots=True)
@@ -94,11 +96,13 @@ class Router:
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "aborted": 0, "retries": 0,
                          "migrations": 0, "transfer_failures": 0, "admitted": 0, "worker_deaths": 0,
                          "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0, "rebalanced": 0,
-                         "local_prefills": 0}
+                         "local_prefills": 0, "prefix_routed": 0, "prefix_routed_tokens": 0}
         self.scale = {"prefill": _ScaleState(), "decode": _ScaleState()}
         self._replacing = {"prefill": 0, "decode": 0}  # dead workers whose replacement is pending
         self.decisions: deque[dict] = deque(maxlen=100)
         self.moves: deque[dict] = deque(maxlen=100)  # where dead decode workers' sequences went
+        # Which prompt blocks each worker computed lately: where a prompt's prefix is likely cached.
+        self.prefix_index = PrefixIndex(config.block_size)
         self._next_id = {"prefill": 0, "decode": 0}
         self._ready = asyncio.Event()
         self._startup_error: str | None = None
@@ -161,7 +165,8 @@ class Router:
             for req in snap.get("prefilling", []):
                 if req.request_id not in self.tracked:
                     self.tracked[req.request_id] = _Tracked(req, req.params, "prefill", worker_id=wid,
-                                                            prefill_worker_id=wid)
+                                                            prefill_worker_id=wid,
+                                                            queued_tokens=len(req.prompt_token_ids))
                     self.prefill[wid].queued_prompt_tokens += len(req.prompt_token_ids)
             for req, handle in snap.get("leased", []):
                 if req.request_id not in self.tracked:
@@ -185,6 +190,8 @@ class Router:
 
     async def _until_ready(self, w: _Worker) -> None:
         w.info = await w.actor.info.remote()
+        if self.config.routes_by_prefix:
+            self.prefix_index.add_worker(w.worker_id, w.info.get("num_blocks", 0))
         await self._open_kv_channels(w)
         w.ready, w.ready_at = True, time.time()
         asyncio.get_event_loop().create_task(self._watch(w))
@@ -259,40 +266,64 @@ class Router:
             if rid not in self.unplaced:
                 self.unplaced.append(rid)
             return
-        w = min(candidates, key=lambda w: w.queued_prompt_tokens)
-        if allow_local and self._prefill_locally(t, w.queued_prompt_tokens):
+        # Cache-aware: the worker that gets through its queue and this prompt's uncached part first.
+        n = len(t.req.prompt_token_ids)
+        hashes = self._hashes(t)
+        cost, cached, w = min(((w.queued_prompt_tokens + n - c, -c, w) for w in candidates
+                               for c in [self._cached(w, hashes, n)]), key=lambda o: o[:2])
+        if allow_local and self._prefill_locally(t, cost, hashes):
             return
-        self._send_to_prefill(t, w)
+        self._send_to_prefill(t, w, -cached, hashes)
 
-    def _send_to_prefill(self, t: _Tracked, w: _Worker) -> None:
-        w.queued_prompt_tokens += len(t.req.prompt_token_ids)
+    def _hashes(self, t: _Tracked) -> list[int]:
+        if not self.config.routes_by_prefix:
+            return []
+        return block_hashes(t.req.prompt_token_ids, self.config.block_size)
+
+    def _cached(self, w: _Worker, hashes: list[int], num_tokens: int) -> int:
+        """Prompt tokens `w` likely has in its prefix cache (0 without prefix-aware routing)."""
+        return self.prefix_index.cached_tokens(w.worker_id, hashes, num_tokens) if hashes else 0
+
+    def _computes(self, t: _Tracked, w: _Worker, hashes: list[int] | None, cached: int) -> None:
+        """`w` is about to compute `t`'s prompt: its blocks will be in `w`'s prefix cache."""
+        if cached:
+            self.counters["prefix_routed"] += 1
+            self.counters["prefix_routed_tokens"] += cached
+        self.prefix_index.record(w.worker_id, self._hashes(t) if hashes is None else hashes)
+
+    def _send_to_prefill(self, t: _Tracked, w: _Worker, cached: int = 0, hashes: list[int] | None = None) -> None:
+        t.queued_tokens = len(t.req.prompt_token_ids) - cached
+        w.queued_prompt_tokens += t.queued_tokens
         t.stage, t.worker_id, t.prefill_worker_id, t.handle = "prefill", w.worker_id, w.worker_id, None
+        self._computes(t, w, hashes, cached)
         w.actor.add.remote(t.req)
 
     def _prefill_backlog(self, w: _Worker) -> int:
         return (w.report.prefill_backlog if w.report is not None else 0) + w.reserved_prefill_tokens
 
-    def _prefill_locally(self, t: _Tracked, prefill_queued: int) -> bool:
+    def _prefill_locally(self, t: _Tracked, prefill_cost: int, hashes: list[int]) -> bool:
         """Conditional disaggregation: run a short prompt whole on a decode worker (chunked prefill
         mixed into its batch, no KV transfer) when the prefill pool is the bottleneck, i.e. when that
-        decode worker would get through it sooner than the least loaded prefill worker, whose queue is
-        `prefill_queued` tokens. Without it, a busy prefill pool leaves the decode pool idle."""
+        decode worker would get through it sooner than the best prefill worker, which has
+        `prefill_cost` tokens to compute first (its queue and this prompt's uncached part). Without
+        it, a busy prefill pool leaves the decode pool idle."""
         n = len(t.req.prompt_token_ids)
         if n > self.config.local_prefill_max_tokens:
             return False
         need = self._blocks_needed(n)
-        best, best_backlog = None, 0
+        best, best_cost, best_cached = None, 0, 0
         for w in self.decode.values():
             if not w.ready or w.draining:
                 continue
             free_blocks, free_seqs = self._free_capacity(w)
-            backlog = self._prefill_backlog(w)
-            if free_seqs > 0 and free_blocks >= need and (best is None or backlog < best_backlog):
-                best, best_backlog = w, backlog
-        if best is None or LOCAL_PREFILL_COST * (best_backlog + n) >= prefill_queued + n:
+            cached = self._cached(w, hashes, n)
+            cost = self._prefill_backlog(w) + n - cached
+            if free_seqs > 0 and free_blocks >= need and (best is None or cost < best_cost):
+                best, best_cost, best_cached = w, cost, cached
+        if best is None or LOCAL_PREFILL_COST * best_cost >= prefill_cost:
             return False
         self.counters["local_prefills"] += 1
-        self._run_whole(t, best, need)
+        self._run_whole(t, best, need, best_cached, hashes)
         return True
 
     def _queue_whole(self, t: _Tracked) -> None:
@@ -311,7 +342,8 @@ class Router:
     def _prefill_done(self, t: _Tracked) -> None:
         w = self.prefill.get(t.prefill_worker_id or "")
         if w is not None:
-            w.queued_prompt_tokens = max(0, w.queued_prompt_tokens - len(t.req.prompt_token_ids))
+            w.queued_prompt_tokens = max(0, w.queued_prompt_tokens - t.queued_tokens)
+        t.queued_tokens = 0
 
     async def on_prefilled(self, worker_id: str, request_id: str, handle: KVHandle) -> None:
         t = self.tracked.get(request_id)
@@ -491,18 +523,20 @@ class Router:
         need = self._blocks_needed(n)
         # (tokens computed before its next token, tie-break, destination, its own tokens to compute)
         options: list[tuple[int, int, _Worker, int]] = []
+        hashes = self._hashes(t)
         w = self._pick_decode(need)
         if w is not None:
-            options.append((self._prefill_backlog(w) + n, 0, w, n))
+            cached = self._cached(w, hashes, n)
+            options.append((self._prefill_backlog(w) + n - cached, 0, w, n - cached))
         bs = self.config.block_size
         older: dict[str, int] = {}  # prompt tokens queued on each prefill worker that arrived before t
         for o in self.tracked.values():
             if o.stage == "prefill" and o.req.arrival_time <= t.req.arrival_time:
-                older[o.worker_id] = older.get(o.worker_id, 0) + len(o.req.prompt_token_ids)
+                older[o.worker_id] = older.get(o.worker_id, 0) + o.queued_tokens
         for p in self.prefill.values():
             if p.ready and not p.draining:
-                cached = 0
-                if p.worker_id == t.prefill_worker_id:
+                cached = self._cached(p, hashes, n)
+                if not hashes and p.worker_id == t.prefill_worker_id:  # no index: it still has the prompt
                     cached = min(t.req.num_original_prompt_tokens // bs * bs, n - 1)
                 # The step under way (its oldest prompts, up to a step's budget) ends first, and moved
                 # sequences placed before this one (longer, maybe newer) also run first.
@@ -517,16 +551,19 @@ class Router:
         self.moves.append({"time": time.time(), "request_id": t.req.request_id, "to": dest.worker_id,
                            "tokens": n, "recompute_tokens": own, "tokens_ahead": cost - own})
         if dest.role == "decode":
-            self._run_whole(t, dest, need)
+            self._run_whole(t, dest, need, n - own, hashes)
         else:
-            self._send_to_prefill(t, dest)
+            self._send_to_prefill(t, dest, n - own, hashes)
 
-    def _run_whole(self, t: _Tracked, w: _Worker, need: int) -> None:
-        """Hand `t` to decode worker `w` to run from its prompt (colocated, or a migrated sequence)."""
+    def _run_whole(self, t: _Tracked, w: _Worker, need: int, cached: int = 0,
+                   hashes: list[int] | None = None) -> None:
+        """Hand `t` to decode worker `w` to run from its prompt (colocated, a local prefill or a
+        migrated sequence)."""
         w.reserved_blocks += need
         w.reserved_seqs += 1
         w.reserved_prefill_tokens += len(t.req.prompt_token_ids)
         t.stage, t.worker_id, t.prefill_worker_id = "admitting", w.worker_id, None
+        self._computes(t, w, hashes, cached)
         if t.req.attempt == 0:
             self.counters["admitted"] += 1
         ref = w.actor.resume.remote(t.req)
@@ -602,6 +639,7 @@ class Router:
     async def _on_worker_dead(self, w: _Worker, why: str) -> None:
         if self.pools[w.role].pop(w.worker_id, None) is None:
             return
+        self.prefix_index.remove_worker(w.worker_id)
         self.counters["worker_deaths"] += 1
         metrics.count_worker_death(w.role)
         logger.warning("%s died (%s); moving its requests", w.worker_id, why)
@@ -756,8 +794,10 @@ class Router:
             if t is None or t.stage != "prefill" or t.worker_id != src.worker_id:
                 continue  # aborted meanwhile
             self._prefill_done(t)
-            dst.queued_prompt_tokens += len(t.req.prompt_token_ids)
+            t.queued_tokens = len(t.req.prompt_token_ids)
+            dst.queued_prompt_tokens += t.queued_tokens
             t.worker_id = t.prefill_worker_id = dst.worker_id
+            self._computes(t, dst, None, 0)
             dst.actor.add.remote(t.req)
             moved += 1
         if moved:
@@ -773,6 +813,7 @@ class Router:
             for w in list(pool.values()):
                 if w.draining and self._load(w) == 0:
                     pool.pop(w.worker_id, None)
+                    self.prefix_index.remove_worker(w.worker_id)
                     try:
                         await asyncio.wait_for(w.actor.close.remote(), 10)
                     except Exception:  # noqa: BLE001

@@ -99,7 +99,7 @@ class RouterBackend:
                     if finished:
                         finish_reason = ev.finish_reason
                     yield TokenDelta(list(ev.token_ids), ev.finished, ev.finish_reason, ev.error,
-                                     ev.num_prompt_tokens or len(prompt_token_ids))
+                                     ev.num_prompt_tokens or len(prompt_token_ids), ev.num_cached_tokens)
                     if finished:
                         break
         finally:

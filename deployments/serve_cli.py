@@ -30,6 +30,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--local-prefill-max-tokens", type=int, default=512,
                    help="prompts up to this long may prefill on a decode worker when the prefill pool is "
                         "backed up (0: never)")
+    s.add_argument("--no-prefix-caching", action="store_true",
+                   help="engines do not keep the KV of ended requests for later prompts with the same prefix")
+    s.add_argument("--no-prefix-aware-routing", action="store_true",
+                   help="place prompts by queue length only, not where their prefix is likely cached")
     s.add_argument("--max-queued-requests", type=int, default=256)
     s.add_argument("--cluster-resources", action="store_true",
                    help="pin workers to nodes with the `prefill` / `decode` custom resources (cluster.yaml)")
@@ -70,7 +74,9 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         decode_max_prefill_tokens=args.decode_max_prefill_tokens,
-        local_prefill_max_tokens=args.local_prefill_max_tokens, max_queued_requests=args.max_queued_requests, api_key=args.api_key, http_host=args.host,
+        local_prefill_max_tokens=args.local_prefill_max_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        prefix_aware_routing=not args.no_prefix_aware_routing, max_queued_requests=args.max_queued_requests,
+        api_key=args.api_key, http_host=args.host,
         http_port=args.port, direct_ingress=args.direct_ingress, ingress_max_replicas=args.ingress_max_replicas,
         prefill_resources={"prefill": 0.01} if args.cluster_resources else {},
         decode_resources={"decode": 0.01} if args.cluster_resources else {},

@@ -241,7 +241,8 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
                         self.engine.release_prefilled(out.request_id)
                 continue
             ev = StreamEvent(req.request_id, req.offset, list(out.new_token_ids),
-                             num_prompt_tokens=req.num_original_prompt_tokens)
+                             num_prompt_tokens=req.num_original_prompt_tokens,
+                             num_cached_tokens=out.num_cached_tokens)
             if out.finish_reason == "prefilled":
                 handle = self.kv_exporter.grant(out, out.num_prompt_tokens)
                 with self.lock:
@@ -355,7 +356,8 @@ class DecodeWorker(_EngineWorker):
                     continue
                 offset = req.offset + len(out.token_ids) - len(out.new_token_ids)
                 ev = StreamEvent(req.request_id, offset, list(out.new_token_ids),
-                                 num_prompt_tokens=req.num_original_prompt_tokens)
+                                 num_prompt_tokens=req.num_original_prompt_tokens,
+                                 num_cached_tokens=out.num_cached_tokens)
                 if out.finished:
                     ev.finished, ev.finish_reason = True, out.finish_reason
                     del self.requests[out.request_id]

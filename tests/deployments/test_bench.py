@@ -55,7 +55,8 @@ def _fake_app() -> FastAPI:
                 finish = "length" if sent == n else None
                 yield "data: " + json.dumps({"choices": [{"index": 0, "text": "x" * k, "finish_reason": finish}]}) + "\n\n"
             if usage:
-                u = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": n}
+                u = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n, "total_tokens": n,
+                     "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) // 2}}
                 yield "data: " + json.dumps({"choices": [], "usage": u}) + "\n\n"
             yield "data: [DONE]\n\n"
 
@@ -110,6 +111,18 @@ def test_workload_is_reproducible_and_in_range():
         BenchConfig(base_url="http://x", model=MODEL, input_len_range=(5, 2))
 
 
+def test_shared_prefix_workload():
+    cfg = BenchConfig(base_url="http://x", model=MODEL, num_prompts=40, input_len_range=(3, 6), vocab_size=1000,
+                      prefix_groups=3, prefix_len=8, seed=5)
+    reqs = make_requests(cfg)
+    heads = {tuple(r.prompt[:8]) for r in reqs}
+    assert len(heads) == 3  # every prompt starts with one of the 3 prefixes, and all 3 are used
+    assert all(11 <= len(r.prompt) <= 14 for r in reqs)
+    assert len({tuple(r.prompt[8:]) for r in reqs}) > 30  # each goes on with its own tokens
+    with pytest.raises(ValueError, match="prefix_groups and prefix_len"):
+        BenchConfig(base_url="http://x", model=MODEL, prefix_groups=2)
+
+
 def test_metrics_are_sane(server, tmp_path):
     out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
     cfg = BenchConfig(base_url=server.url, model=MODEL, num_prompts=12, request_rate=50.0, max_concurrency=6,
@@ -120,6 +133,8 @@ def test_metrics_are_sane(server, tmp_path):
     m = res["metrics"]
     assert m["completed"] == 12 and m["failed"] == 0 and m["usage_reported"] == 12
     assert m["total_output_tokens"] == sum(r.max_tokens for r in make_requests(cfg))
+    assert m["total_prompt_tokens"] == sum(len(r.prompt) for r in make_requests(cfg))
+    assert m["cached_prompt_tokens"] == sum(len(r.prompt) // 2 for r in make_requests(cfg))
     # what was sent: token-id prompts, ignore_eos, usage requested
     body = server.app.state.bodies[-1]
     assert body["ignore_eos"] is True and body["stream"] is True and body["stream_options"]["include_usage"]

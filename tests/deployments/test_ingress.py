@@ -13,6 +13,7 @@ from typing import AsyncIterator
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 from deployments.backend import LocalEngineBackend, QueueFullError, TokenDelta
@@ -152,6 +153,20 @@ def test_completions_match_offline_engine(engine, backend, client, prompt):
     # Token ids in, same text out.
     r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, extra_body=EOS_OFF)
     assert r2.choices[0].text == ref.text
+
+
+def test_usage_reports_prefix_cache_hits(engine, backend, client):
+    """usage.prompt_tokens_details.cached_tokens: 0 for a prompt never seen, then every full block of it
+    but the one holding the last token (always computed) when it comes again; same tokens either way."""
+    ids = [int(t) for t in torch.randint(1000, 40000, (70,), generator=torch.Generator().manual_seed(1234))]
+    bs = engine.config.block_size
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body=EOS_OFF)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    chunks = list(client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body=EOS_OFF,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (len(ids) - 1) // bs * bs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+    wait_drained(backend)
 
 
 def test_concurrent_streams_each_match_offline(engine, backend, server):
