@@ -140,6 +140,36 @@ def test_16_concurrent_streams_join_running_batches(server, offline):
     assert_no_leaks(router)
 
 
+def test_repeated_prompts_go_where_their_prefix_is_cached(server):
+    """Cache-aware routing: 4 long prompts spread over the 2 prefill workers; sent again in reverse
+    order (so queue length alone would place some on the other worker), each goes back where its
+    prefix is cached: usage reports every full block but the last token's as cached, same tokens."""
+    import torch
+
+    url, router, _ = server
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    prompts = [[int(t) for t in torch.randint(1000, 40000, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (200, 150, 260, 180)]
+    before = ray.get(router.stats.remote())["counters"]
+
+    def send(order: list[int]) -> dict[int, object]:
+        def one(i: int):
+            time.sleep(0.1 * order.index(i))  # reach the router in this order, all queued together
+            return client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=4, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        with cf.ThreadPoolExecutor(len(order)) as pool:
+            return dict(zip(order, pool.map(one, order)))
+
+    first = send([0, 1, 2, 3])
+    again = send([3, 2, 1, 0])
+    for i, p in enumerate(prompts):
+        assert again[i].choices[0].text == first[i].choices[0].text
+        assert again[i].usage.prompt_tokens_details.cached_tokens == (len(p) - 1) // 16 * 16, (i, again[i].usage)
+    after = ray.get(router.stats.remote())["counters"]
+    assert after["prefix_routed"] - before["prefix_routed"] >= 4
+    assert_no_leaks(router)
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
