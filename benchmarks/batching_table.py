@@ -22,14 +22,13 @@ import os
 import sys
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving_overhead import MODEL_NAME, _bench, _free_port  # noqa: E402
+from benchmarks.serving_overhead import MODEL_NAME, _bench, _free_port, serve_app  # noqa: E402
 from deployments.bench_cli import BenchConfig  # noqa: E402
 
 MODES = ("static", "dynamic", "continuous", "disagg")
@@ -67,24 +66,9 @@ def run_colocated(policy: str, cfg: BenchConfig, batch_size: int, max_wait_s: fl
 
 
 def run_disagg(cfg: BenchConfig, batch_size: int, warmup: int) -> dict:
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app, shutdown_router
-
-    port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({"num_prefill_workers": 1, "num_decode_workers": 1, "threads_per_worker": 1,
-                             "max_num_seqs": batch_size}), name="pdserve", route_prefix="/")
-        return _bench(cfg, f"http://127.0.0.1:{port}", warmup)
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            shutdown_router()
-            ray.shutdown()
+    app_args = {"num_prefill_workers": 1, "num_decode_workers": 1, "threads_per_worker": 1, "max_num_seqs": batch_size}
+    with serve_app(app_args, num_cpus=2) as url:
+        return _bench(cfg, url, warmup)
 
 
 def _fmt(x, d=1) -> str:

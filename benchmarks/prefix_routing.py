@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving_overhead import MODEL_NAME, _bench, _free_port  # noqa: E402
+from benchmarks.serving_overhead import MODEL_NAME, _bench, router_counters, serve_app  # noqa: E402
 from deployments.bench_cli import BenchConfig  # noqa: E402
 
 ROWS = {"off": ("caching off", {"enable_prefix_caching": False}),
@@ -39,34 +38,12 @@ ROWS = {"off": ("caching off", {"enable_prefix_caching": False}),
 
 
 def run_row(cfg: BenchConfig, warmup: int, kv_mb: int, settings: dict) -> dict:
-    import ray
-    from ray import serve
-
-    from deployments.app import NAMESPACE, ROUTER_NAME, build_app, shutdown_router
-    from deployments.config import apply_ray_env_defaults
-
-    port = _free_port()
-    saved_env = dict(os.environ)
-    apply_ray_env_defaults()
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        t0 = time.perf_counter()
-        serve.run(build_app({"num_prefill_workers": 2, "num_decode_workers": 1, "threads_per_worker": 1,
-                             "kv_cache_memory_mb": kv_mb, **settings}), name="pdserve", route_prefix="/")
-        print(f"app {settings or 'defaults'} ready in {time.perf_counter() - t0:.1f}s", flush=True)
-        result = _bench(cfg, f"http://127.0.0.1:{port}", warmup)
-        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-        result["router_counters"] = ray.get(router.stats.remote(), timeout=30)["counters"]
+    app_args = {"num_prefill_workers": 2, "num_decode_workers": 1, "threads_per_worker": 1,
+                "kv_cache_memory_mb": kv_mb, **settings}
+    with serve_app(app_args, num_cpus=3) as url:
+        result = _bench(cfg, url, warmup)
+        result["router_counters"] = router_counters()
         return result
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            shutdown_router()
-            ray.shutdown()
-            os.environ.clear()
-            os.environ.update(saved_env)
 
 
 def report(results: dict) -> None:

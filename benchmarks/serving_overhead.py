@@ -27,6 +27,7 @@ Per-token overhead = 1/tput(x) - 1/tput(a).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import socket
@@ -88,37 +89,32 @@ def run_engine_alone(cfg: BenchConfig, warmup: int) -> dict:
         gc.collect()
 
 
-def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, direct: bool = False,
-                  local_prefill_max_tokens: int = 512) -> dict:
+@contextlib.contextmanager
+def serve_app(app_args: dict, num_cpus: int, direct: bool = False):
+    """A local Ray with the pdserve app built from `app_args`, started as `pdserve serve` starts them
+    (`--direct-ingress` with `direct`); yields the HTTP base URL, then shuts it all down and restores
+    this process's environment."""
     import ray
     from ray import serve
 
-    from deployments.app import NAMESPACE, ROUTER_NAME, build_app, shutdown_router
-
+    from deployments.app import build_app, shutdown_router
     from deployments.config import apply_ray_env_defaults, direct_ingress_env
 
     port = _free_port()
     saved_env = dict(os.environ)
-    apply_ray_env_defaults()  # as `pdserve serve` does when it starts Ray
+    apply_ray_env_defaults()
     proxy_port = port
-    if direct:  # as `pdserve serve --direct-ingress`: the replica serves `port`, the proxy moves
+    if direct:  # the ingress replica serves `port`, the proxy moves
         os.environ.update(direct_ingress_env(port, 2))
         proxy_port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
         t0 = time.perf_counter()
-        serve.run(build_app({"num_prefill_workers": prefill, "num_decode_workers": 1, "threads_per_worker": threads,
-                             "worker_num_cpus": 1 if prefill else 2,
-                             "local_prefill_max_tokens": local_prefill_max_tokens}),
-                  name="pdserve", route_prefix="/")
-        print(f"Ray Serve app ({prefill}P+1D, {threads} threads each, {'direct ingress' if direct else 'proxy'}, "
-              f"local_prefill_max_tokens={local_prefill_max_tokens}) ready in {time.perf_counter() - t0:.1f}s",
-              flush=True)
-        result = _bench(cfg, f"http://127.0.0.1:{port}", warmup)
-        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-        result["router_counters"] = ray.get(router.stats.remote(), timeout=30)["counters"]
-        return result
+        serve.run(build_app(app_args), name="pdserve", route_prefix="/")
+        print(f"Ray Serve app {app_args}{' (direct ingress)' if direct else ''} ready in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+        yield f"http://127.0.0.1:{port}"
     finally:
         try:
             serve.shutdown()
@@ -127,6 +123,26 @@ def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, dir
             ray.shutdown()
             os.environ.clear()
             os.environ.update(saved_env)
+
+
+def router_counters() -> dict:
+    """The running app's router counters (migrations, local prefills, prefix routing, ...)."""
+    import ray
+
+    from deployments.app import NAMESPACE, ROUTER_NAME
+
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    return ray.get(router.stats.remote(), timeout=30)["counters"]
+
+
+def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, direct: bool = False,
+                  local_prefill_max_tokens: int = 512) -> dict:
+    app_args = {"num_prefill_workers": prefill, "num_decode_workers": 1, "threads_per_worker": threads,
+                "worker_num_cpus": 1 if prefill else 2, "local_prefill_max_tokens": local_prefill_max_tokens}
+    with serve_app(app_args, num_cpus=2, direct=direct) as url:
+        result = _bench(cfg, url, warmup)
+        result["router_counters"] = router_counters()
+        return result
 
 
 def _row(name: str, m: dict) -> list[str]:
@@ -215,7 +231,68 @@ def main(argv: list[str] | None = None) -> int:
                         "disaggregation row (0: every prompt through the prefill worker) runs too unless this is 0 "
                         "or --no-pure")
     p.add_argument("--no-pure", action="store_true", help="skip the pure disaggregation row")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every row this many times, interleaved (engine, colocated, disaggregated, engine, "
+                        "...); each repeat's rows are compared with that repeat's engine row, and the median "
+                        "of those ratios is the verdict (these 2 cores vary by ~10%% between runs)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.repeats > 1:
+        return _repeated(args)
+    results = _run_rows(args)
+    if "engine" in results and len(results) > 1:
+        results["summary"] = report(results, args.disagg_threads)
+    else:
+        from deployments.bench_cli import print_report
+
+        for name, r in results.items():
+            print_report(r, title=name)
+    _save(args, results)
+    return 0
+
+
+def _save(args: argparse.Namespace, results) -> None:
+    if args.result_json:
+        import json
+
+        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+def _repeated(args: argparse.Namespace) -> int:
+    """`--repeats N`: N interleaved passes over the rows, then the median loss of each row."""
+    import statistics
+
+    from rich.console import Console
+
+    if args.only is not None:
+        raise SystemExit("--repeats needs every row (no --only): each repeat compares with its own engine row")
+    passes = []
+    for i in range(args.repeats):
+        print(f"=== repeat {i + 1}/{args.repeats}", flush=True)
+        results = _run_rows(args)
+        results["summary"] = report(results, args.disagg_threads)
+        passes.append(results)
+    console = Console(width=170)
+    console.print(f"[bold]median over {args.repeats} interleaved repeats[/bold] (each against its own engine row)")
+    for key in passes[0]["summary"]:
+        losses = [r["summary"][key].get("throughput_loss") for r in passes]
+        losses = [x for x in losses if x is not None]
+        if not losses:
+            continue
+        tput = [r[key]["metrics"]["output_throughput"] for r in passes]
+        med = statistics.median(losses)
+        verdict = "[green]meets[/green]" if med <= 0.10 else "[red]misses[/red]"
+        console.print(f"{key}: median throughput loss {med:+.1%} ({verdict} the <= 10% target); per repeat "
+                      + ", ".join(f"{x:+.1%}" for x in losses) + "; tok/s " + ", ".join(f"{x:.1f}" for x in tput)
+                      + "; engine tok/s " + ", ".join(f"{r['engine']['metrics']['output_throughput']:.1f}"
+                                                     for r in passes))
+    _save(args, {"repeats": passes})
+    return 0
+
+
+def _run_rows(args: argparse.Namespace) -> dict:
     cfg = BenchConfig(base_url="http://127.0.0.1", model=MODEL_NAME, num_prompts=args.num_prompts,
                       request_rate=args.request_rate, max_concurrency=args.max_concurrency,
                       input_len_range=tuple(args.input_len_range), output_len_range=tuple(args.output_len_range),
@@ -237,19 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         direct = modes[-1]
         results["disaggregated-pure" + "-direct" * direct] = run_ray_serve(
             cfg, args.warmup, prefill=1, threads=args.disagg_threads, direct=direct, local_prefill_max_tokens=0)
-    if "engine" in results and len(results) > 1:
-        results["summary"] = report(results, args.disagg_threads)
-    else:
-        from deployments.bench_cli import print_report
-
-        for name, r in results.items():
-            print_report(r, title=name)
-    if args.result_json:
-        import json
-
-        Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_json).write_text(json.dumps(results, indent=2, default=str) + "\n")
-    return 0
+    return results
 
 
 if __name__ == "__main__":

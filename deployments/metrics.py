@@ -71,6 +71,8 @@ class _Metrics:
         self.prefill_tokens = counter("pdserve_prefill_tokens_total", "Prompt tokens computed (recomputation "
                                       "after preemption or migration included).", _WORKER)
         self.decode_tokens = counter("pdserve_decode_tokens_total", "Decode tokens computed.", _WORKER)
+        self.cache_hit_tokens = counter("pdserve_prefix_cache_hit_tokens_total", "Prompt tokens taken from the "
+                                        "prefix cache instead of computed.", _WORKER)
         self.preemptions = counter("pdserve_preemptions_total", "Sequences preempted for lack of KV blocks.",
                                    _WORKER)
         # KV transfer, decode side
@@ -89,6 +91,8 @@ class _Metrics:
         self.requests = counter("pdserve_requests_total", "Requests that ended, by finish reason.",
                                 ("finish_reason",))
         self.prompt_tokens = counter("pdserve_prompt_tokens_total", "Prompt tokens of ended requests.")
+        self.cached_prompt_tokens = counter("pdserve_prompt_tokens_cached_total", "Prompt tokens of ended "
+                                            "requests that their prefill found in the prefix cache.")
         self.generation_tokens = counter("pdserve_generation_tokens_total", "Tokens delivered to clients.")
 
 
@@ -158,6 +162,8 @@ def record_step(pool: str, worker_id: str, stats: Any, engine: Any) -> None:
         m.prefill_tokens.inc(stats.num_prefill_tokens, tags=wtags)
     if stats.num_decode_tokens:
         m.decode_tokens.inc(stats.num_decode_tokens, tags=wtags)
+    if stats.num_cached_tokens:
+        m.cache_hit_tokens.inc(stats.num_cached_tokens, tags=wtags)
     if stats.num_preempted:
         m.preemptions.inc(stats.num_preempted, tags=wtags)
     _set_load(m, wtags, engine)
@@ -217,7 +223,7 @@ class RequestTimer:
         self.last = now
         self.num_tokens += n
 
-    def finish(self, finish_reason: str | None, num_prompt_tokens: int) -> None:
+    def finish(self, finish_reason: str | None, num_prompt_tokens: int, num_cached_tokens: int = 0) -> None:
         if self.done or (m := _get()) is None:
             return
         self.done = True
@@ -225,6 +231,8 @@ class RequestTimer:
         m.requests.inc(tags={"finish_reason": finish_reason or "aborted"})
         if num_prompt_tokens:
             m.prompt_tokens.inc(num_prompt_tokens)
+        if num_cached_tokens:
+            m.cached_prompt_tokens.inc(num_cached_tokens)
         if self.num_tokens:
             m.generation_tokens.inc(self.num_tokens)
         if finish_reason in (None, "error", "aborted") or self.first is None:

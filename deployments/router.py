@@ -44,6 +44,9 @@ REPLACE_WAIT_S = 10.0  # longest a dead decode worker's replacement waits for it
 # prefill worker's, since it also has to keep decoding its running sequences.
 LOCAL_PREFILL_COST = 2.0
 WORKER_PREFIX = "pdserve-"
+# Colocated cache-aware placement: a decode worker holding a prompt's prefix gets it while it runs at
+# most this many more sequences than the least loaded worker with room.
+AFFINITY_SLACK_SEQS = 4
 
 
 @dataclass(slots=True)
@@ -403,6 +406,29 @@ class Router:
                 best, best_free = w, free_blocks
         return best
 
+    def _pick_whole(self, t: _Tracked, need: int) -> tuple[_Worker | None, int, list[int]]:
+        """Colocated: the decode worker to run `t` whole, the prompt tokens it likely has cached, and the
+        prompt's block hashes. The worker with the longest cached prefix, unless it holds more than
+        AFFINITY_SLACK_SEQS sequences above the least loaded one with room (then load wins: the most
+        free blocks, as without a cache)."""
+        best = self._pick_decode(need)
+        hashes = self._hashes(t)
+        if best is None or not hashes:
+            return best, 0, hashes
+        n = len(t.req.prompt_token_ids)
+        room = []
+        for w in self.decode.values():
+            if w.ready and not w.draining:
+                free_blocks, free_seqs = self._free_capacity(w)
+                if free_seqs > 0 and free_blocks >= need:
+                    room.append((w, self.config.max_num_seqs - free_seqs, self._cached(w, hashes, n)))
+        least = min(load for _, load, _ in room)
+        near = [(cached, w) for w, load, cached in room if load <= least + AFFINITY_SLACK_SEQS and cached]
+        if near:
+            cached, w = max(near, key=lambda o: o[0])
+            return w, cached, hashes
+        return best, self._cached(best, hashes, n), hashes
+
     def _admit(self) -> None:
         """Fill free decode capacity from the pending queue (priority, then arrival)."""
         if not self.pending_decode:
@@ -415,11 +441,11 @@ class Router:
             t = self.tracked[rid]
             if t.handle is None:  # colocated: the decode worker prefills it too
                 need = self._blocks_needed(len(t.req.prompt_token_ids))
-                best = self._pick_decode(need)
+                best, cached, hashes = self._pick_whole(t, need)
                 if best is None:
                     still.append(rid)
                 else:
-                    self._run_whole(t, best, need)
+                    self._run_whole(t, best, need, cached, hashes)
                 continue
             need = self._blocks_needed(t.handle.num_tokens)
             best = self._pick_decode(need)

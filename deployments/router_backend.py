@@ -71,6 +71,7 @@ class RouterBackend:
             raise QueueFullError(f"server busy: {res.get('reason', 'queue full')}", res.get("retry_after_s", 1.0))
         finished = False
         finish_reason = None
+        num_cached: int | None = None  # the first prefill's prefix-cache hits (the first event with tokens)
         last_event = time.monotonic()
         self._ensure_poller()
         try:
@@ -96,6 +97,8 @@ class RouterBackend:
                 for ev in events:
                     finished = ev.finished
                     timer.tokens(len(ev.token_ids))
+                    if num_cached is None and ev.token_ids:
+                        num_cached = ev.num_cached_tokens
                     if finished:
                         finish_reason = ev.finish_reason
                     yield TokenDelta(list(ev.token_ids), ev.finished, ev.finish_reason, ev.error,
@@ -104,7 +107,7 @@ class RouterBackend:
                         break
         finally:
             self._queues.pop(request_id, None)
-            timer.finish(finish_reason, len(prompt_token_ids))
+            timer.finish(finish_reason, len(prompt_token_ids), num_cached or 0)
             if not finished:
                 await self.abort(request_id)
 

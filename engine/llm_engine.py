@@ -34,6 +34,7 @@ class StepStats:
     num_decode_tokens: int = 0
     num_seqs: int = 0
     num_preempted: int = 0
+    num_cached_tokens: int = 0  # prompt tokens requests admitted in this step took from the prefix cache
     duration_s: float = 0.0
 
 
@@ -199,6 +200,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        cached_before = self.scheduler.num_cached_tokens
         sched = self.scheduler.schedule()
         if sched.empty:
             self.last_step = StepStats()
@@ -209,7 +211,7 @@ class LLMEngine:
             num_prefill_tokens=sum(c.num_new_tokens for c in sched.chunks if c.num_new_tokens > 1),
             num_decode_tokens=sum(1 for c in sched.chunks if c.num_new_tokens == 1),
             num_seqs=len(sched.chunks), num_preempted=len(sched.preempted),
-            duration_s=time.perf_counter() - t0)
+            num_cached_tokens=self.scheduler.num_cached_tokens - cached_before, duration_s=time.perf_counter() - t0)
         return outputs
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:

@@ -94,3 +94,30 @@ def test_colocated_abort_mid_stream_frees_blocks(colocated):
     assert asyncio.run(partial()) >= 4
     _no_leaks(router, timeout_s=30)
     assert ray.get(router.stats.remote())["counters"]["aborted"] >= 1
+
+
+def test_colocated_repeats_go_where_their_prefix_is_cached(colocated):
+    """Cache-aware placement without a prefill pool: 4 prompts spread over the 2 workers, then sent again
+    in reverse order (most free blocks alone would put one on the other worker); each runs where its
+    prefix is cached, every full block but the last token's comes from the cache, same tokens."""
+    router, backend = colocated
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[100 + (k * 97 + j * 13) % 30000 for j in range(n)] for k, n in enumerate((120, 90, 150, 100))]
+
+    async def wave(order: list[int], tag: str) -> dict[int, tuple[int, list[int]]]:
+        out: dict[int, tuple[int, list[int]]] = {}
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(0.1 * order.index(i))  # reach the router in this order
+            deltas = [d async for d in backend.generate(f"aff-{tag}-{i}", prompts[i], params)]
+            out[i] = (deltas[0].num_cached_tokens, [t for d in deltas for t in d.token_ids])
+
+        await asyncio.wait_for(asyncio.gather(*[one(i) for i in order]), 120)
+        return out
+
+    first = asyncio.run(wave([0, 1, 2, 3], "first"))
+    again = asyncio.run(wave([3, 2, 1, 0], "again"))
+    for i, p in enumerate(prompts):
+        assert again[i][1] == first[i][1]
+        assert again[i][0] == (len(p) - 1) // 16 * 16, (i, again[i][0])
+    _no_leaks(router)

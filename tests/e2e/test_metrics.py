@@ -33,7 +33,7 @@ MOVED = [
     "pdserve_time_to_first_token_seconds_count", "pdserve_time_per_output_token_seconds_count",
     "pdserve_inter_token_latency_seconds_count", "pdserve_e2e_request_latency_seconds_count",
     "pdserve_requests_total", "pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
-    "pdserve_pool_workers",
+    "pdserve_pool_workers", "pdserve_prefix_cache_hit_tokens_total", "pdserve_prompt_tokens_cached_total",
 ]
 # Gauges that only have to be there (they are back to 0 once the load is over).
 PRESENT = ["pdserve_queue_depth", "pdserve_running_seqs", "pdserve_waiting_seqs", "pdserve_kv_blocks_used",
@@ -98,17 +98,25 @@ def test_metrics_exported_and_moving_under_load(cluster):
     counters = ray.get(router.stats.remote())["counters"]
     assert counters["rejected"] == NUM_REQUESTS - len(served)
 
+    async def again() -> int:  # the burst's prompts share 2 full blocks; this one comes after them
+        deltas = [d async for d in backend.generate(f"again-{uuid.uuid4().hex[:6]}", list(range(100, 150)), params)]
+        assert sum(len(d.token_ids) for d in deltas) == MAX_TOKENS and deltas[-1].finish_reason == "length"
+        return deltas[0].num_cached_tokens  # the first event carries the prefill's cache hits
+
+    assert asyncio.run(asyncio.wait_for(again(), 60)) == 32
+
     deadline = time.monotonic() + 30
     while True:
         m = _scrape(port)
         missing = [k for k in MOVED if m.get(k, 0) <= 0] + [k for k in PRESENT if k not in m]
-        if not missing and m["pdserve_requests_total"] >= len(served):
+        if not missing and m["pdserve_requests_total"] >= len(served) + 1:
             break
         assert time.monotonic() < deadline, f"not exported or not moving: {missing}"
         time.sleep(1.0)
     assert m["pdserve_requests_rejected_total"] == counters["rejected"]
-    assert m["pdserve_requests_submitted_total"] == len(served)
-    assert m["pdserve_generation_tokens_total"] == MAX_TOKENS * len(served)
-    assert m["pdserve_time_to_first_token_seconds_count"] == len(served)
-    assert m["pdserve_e2e_request_latency_seconds_count"] == len(served)
+    assert m["pdserve_requests_submitted_total"] == len(served) + 1
+    assert m["pdserve_generation_tokens_total"] == MAX_TOKENS * (len(served) + 1)
+    assert m["pdserve_time_to_first_token_seconds_count"] == len(served) + 1
+    assert m["pdserve_e2e_request_latency_seconds_count"] == len(served) + 1
+    assert m["pdserve_prompt_tokens_cached_total"] >= 32 and m["pdserve_prefix_cache_hit_tokens_total"] >= 32
     assert m["pdserve_pool_workers"] == 2  # one prefill, one decode
