@@ -58,6 +58,8 @@ class _Tracked:
     handle: KVHandle | None = None
     prefill_worker_id: str | None = None
     queued_tokens: int = 0  # what it added to its prefill worker's queue: its prompt less the cached part
+    hashes: list[int] | None = None  # its prompt's block hashes (prefix-aware placement), computed once
+    hashes_of: GenRequest | None = None  # ... for this req (a requeue replaces req and its prompt)
 
 
 @dataclass(slots=True)
@@ -281,7 +283,9 @@ class Router:
     def _hashes(self, t: _Tracked) -> list[int]:
         if not self.config.routes_by_prefix:
             return []
-        return block_hashes(t.req.prompt_token_ids, self.config.block_size)
+        if t.hashes is None or t.hashes_of is not t.req:  # NOTE: colocated, `_admit` asks at every report
+            t.hashes, t.hashes_of = block_hashes(t.req.prompt_token_ids, self.config.block_size), t.req
+        return t.hashes
 
     def _cached(self, w: _Worker, hashes: list[int], num_tokens: int) -> int:
         """Prompt tokens `w` likely has in its prefix cache (0 without prefix-aware routing)."""
