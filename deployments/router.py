@@ -276,9 +276,9 @@ class Router:
         hashes = self._hashes(t)
         cost, cached, w = min(((w.queued_prompt_tokens + n - c, -c, w) for w in candidates
                                for c in [self._cached(w, hashes, n)]), key=lambda o: o[:2])
-        if allow_local and self._prefill_locally(t, cost, hashes):
+        if allow_local and self._prefill_locally(t, cost):
             return
-        self._send_to_prefill(t, w, -cached, hashes)
+        self._send_to_prefill(t, w, -cached)
 
     def _hashes(self, t: _Tracked) -> list[int]:
         if not self.config.routes_by_prefix:
@@ -291,24 +291,24 @@ class Router:
         """Prompt tokens `w` likely has in its prefix cache (0 without prefix-aware routing)."""
         return self.prefix_index.cached_tokens(w.worker_id, hashes, num_tokens) if hashes else 0
 
-    def _computes(self, t: _Tracked, w: _Worker, hashes: list[int] | None, cached: int) -> None:
+    def _computes(self, t: _Tracked, w: _Worker, cached: int) -> None:
         """`w` is about to compute `t`'s prompt: its blocks will be in `w`'s prefix cache."""
         if cached:
             self.counters["prefix_routed"] += 1
             self.counters["prefix_routed_tokens"] += cached
-        self.prefix_index.record(w.worker_id, self._hashes(t) if hashes is None else hashes)
+        self.prefix_index.record(w.worker_id, self._hashes(t))
 
-    def _send_to_prefill(self, t: _Tracked, w: _Worker, cached: int = 0, hashes: list[int] | None = None) -> None:
+    def _send_to_prefill(self, t: _Tracked, w: _Worker, cached: int = 0) -> None:
         t.queued_tokens = len(t.req.prompt_token_ids) - cached
         w.queued_prompt_tokens += t.queued_tokens
         t.stage, t.worker_id, t.prefill_worker_id, t.handle = "prefill", w.worker_id, w.worker_id, None
-        self._computes(t, w, hashes, cached)
+        self._computes(t, w, cached)
         w.actor.add.remote(t.req)
 
     def _prefill_backlog(self, w: _Worker) -> int:
         return (w.report.prefill_backlog if w.report is not None else 0) + w.reserved_prefill_tokens
 
-    def _prefill_locally(self, t: _Tracked, prefill_cost: int, hashes: list[int]) -> bool:
+    def _prefill_locally(self, t: _Tracked, prefill_cost: int) -> bool:
         """Conditional disaggregation: run a short prompt whole on a decode worker (chunked prefill
         mixed into its batch, no KV transfer) when the prefill pool is the bottleneck, i.e. when that
         decode worker would get through it sooner than the best prefill worker, which has
@@ -318,6 +318,7 @@ class Router:
         if n > self.config.local_prefill_max_tokens:
             return False
         need = self._blocks_needed(n)
+        hashes = self._hashes(t)
         best, best_cost, best_cached = None, 0, 0
         for w in self.decode.values():
             if not w.ready or w.draining:
@@ -330,7 +331,7 @@ class Router:
         if best is None or LOCAL_PREFILL_COST * best_cost >= prefill_cost:
             return False
         self.counters["local_prefills"] += 1
-        self._run_whole(t, best, need, best_cached, hashes)
+        self._run_whole(t, best, need, best_cached)
         return True
 
     def _queue_whole(self, t: _Tracked) -> None:
@@ -410,15 +411,14 @@ class Router:
                 best, best_free = w, free_blocks
         return best
 
-    def _pick_whole(self, t: _Tracked, need: int) -> tuple[_Worker | None, int, list[int]]:
-        """Colocated: the decode worker to run `t` whole, the prompt tokens it likely has cached, and the
-        prompt's block hashes. The worker with the longest cached prefix, unless it holds more than
+    def _pick_whole(self, t: _Tracked, need: int) -> tuple[_Worker | None, int]:
+        """Colocated: the decode worker to run `t` whole, and the prompt tokens it likely has cached. The worker with the longest cached prefix, unless it holds more than
         AFFINITY_SLACK_SEQS sequences above the least loaded one with room (then load wins: the most
         free blocks, as without a cache)."""
         best = self._pick_decode(need)
         hashes = self._hashes(t)
         if best is None or not hashes:
-            return best, 0, hashes
+            return best, 0
         n = len(t.req.prompt_token_ids)
         room = []
         for w in self.decode.values():
@@ -430,8 +430,8 @@ class Router:
         near = [(cached, w) for w, load, cached in room if load <= least + AFFINITY_SLACK_SEQS and cached]
         if near:
             cached, w = max(near, key=lambda o: o[0])
-            return w, cached, hashes
-        return best, self._cached(best, hashes, n), hashes
+            return w, cached
+        return best, self._cached(best, hashes, n)
 
     def _admit(self) -> None:
         """Fill free decode capacity from the pending queue (priority, then arrival)."""
@@ -445,11 +445,11 @@ class Router:
             t = self.tracked[rid]
             if t.handle is None:  # colocated: the decode worker prefills it too
                 need = self._blocks_needed(len(t.req.prompt_token_ids))
-                best, cached, hashes = self._pick_whole(t, need)
+                best, cached = self._pick_whole(t, need)
                 if best is None:
                     still.append(rid)
                 else:
-                    self._run_whole(t, best, need, cached, hashes)
+                    self._run_whole(t, best, need, cached)
                 continue
             need = self._blocks_needed(t.handle.num_tokens)
             best = self._pick_decode(need)
@@ -581,19 +581,18 @@ class Router:
         self.moves.append({"time": time.time(), "request_id": t.req.request_id, "to": dest.worker_id,
                            "tokens": n, "recompute_tokens": own, "tokens_ahead": cost - own})
         if dest.role == "decode":
-            self._run_whole(t, dest, need, n - own, hashes)
+            self._run_whole(t, dest, need, n - own)
         else:
-            self._send_to_prefill(t, dest, n - own, hashes)
+            self._send_to_prefill(t, dest, n - own)
 
-    def _run_whole(self, t: _Tracked, w: _Worker, need: int, cached: int = 0,
-                   hashes: list[int] | None = None) -> None:
+    def _run_whole(self, t: _Tracked, w: _Worker, need: int, cached: int = 0) -> None:
         """Hand `t` to decode worker `w` to run from its prompt (colocated, a local prefill or a
         migrated sequence)."""
         w.reserved_blocks += need
         w.reserved_seqs += 1
         w.reserved_prefill_tokens += len(t.req.prompt_token_ids)
         t.stage, t.worker_id, t.prefill_worker_id = "admitting", w.worker_id, None
-        self._computes(t, w, hashes, cached)
+        self._computes(t, w, cached)
         if t.req.attempt == 0:
             self.counters["admitted"] += 1
         ref = w.actor.resume.remote(t.req)
@@ -827,7 +826,7 @@ class Router:
             t.queued_tokens = len(t.req.prompt_token_ids)
             dst.queued_prompt_tokens += t.queued_tokens
             t.worker_id = t.prefill_worker_id = dst.worker_id
-            self._computes(t, dst, None, 0)
+            self._computes(t, dst, 0)
             dst.actor.add.remote(t.req)
             moved += 1
         if moved:
