@@ -566,7 +566,8 @@ class Router:
         for p in self.prefill.values():
             if p.ready and not p.draining:
                 cached = self._cached(p, hashes, n)
-                if not hashes and p.worker_id == t.prefill_worker_id:  # no index: it still has the prompt
+                if not hashes and self.config.enable_prefix_caching and p.worker_id == t.prefill_worker_id:
+                    # Caching without the index (prefix_aware_routing off): its prefill worker still has it.
                     cached = min(t.req.num_original_prompt_tokens // bs * bs, n - 1)
                 # The step under way (its oldest prompts, up to a step's budget) ends first, and moved
                 # sequences placed before this one (longer, maybe newer) also run first.
