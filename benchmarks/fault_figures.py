@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--local-prefill-max-tokens", type=int, default=ServeConfig().local_prefill_max_tokens,
                    help="conditional disaggregation (the server's default; 0: every prompt through the prefill pool)")
     p.add_argument("--decode-max-prefill-tokens", type=int, default=ServeConfig().decode_max_prefill_tokens)
+    p.add_argument("--no-burst", action="store_true", help="only the kills, not the prefill burst")
     p.add_argument("--burst-kv-cache-mb", type=int, default=128, help="KV pool per worker in the burst phase")
     args = p.parse_args(argv)
 
@@ -191,6 +192,8 @@ def main(argv=None) -> int:
               f"{', '.join(str(x[3]) for x in summary)}; longest stall "
               f"{', '.join(f'{x[4]:.2f}' for x in summary)} s (target < {target:.2f} s: met in "
               f"{sum(x[4] < target for x in summary)}/{len(summary)})")
+        if args.no_burst:
+            return 0
         print("\nprefill burst (fresh app: 1 prefill worker, may scale to 2) ...", flush=True)
         # NOTE: a small pool here: a CPU worker zero-fills its whole KV pool at start (2 GB: seconds on a
         # busy 2-core box), which would hide the scaling path's own latency (a GPU allocates at once).

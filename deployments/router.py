@@ -82,6 +82,13 @@ class _Worker:
 
 
 @dataclass(slots=True)
+class _Moves:
+    """One dead decode worker's sequences, being placed one by one (`Router._place_moved`)."""
+    tokens: dict[str, int] = field(default_factory=dict)  # recompute tokens given to each destination
+    ids: set[str] = field(default_factory=set)  # the requests placed so far
+
+
+@dataclass(slots=True)
 class _ScaleState:
     desired: int = 0
     reason: str = ""
@@ -498,12 +505,12 @@ class Router:
         except Exception:  # noqa: BLE001
             return None
 
-    async def _requeue(self, t: _Tracked, why: str, counter: str, moving: dict[str, int] | None = None,
+    async def _requeue(self, t: _Tracked, why: str, counter: str, moving: _Moves | None = None,
                        delivered: list[int] | None | object = _FETCH) -> None:
         """Prefill again from the prompt plus every token the client already has, then decode on.
 
-        `moving`: recompute tokens already given to each worker in this batch of moves (a dead decode
-        worker's sequences), so that they are spread over the survivors and the prefill pool.
+        `moving`: the moves placed before this one in the same batch (a dead decode worker's
+        sequences), so that they are spread over the survivors and the prefill pool.
         `delivered`: the client's tokens when the caller fetched them already (default: fetch them)."""
         if t.stage == "requeueing":  # the death watch and a failed call may both report it
             return
@@ -531,11 +538,11 @@ class Router:
         t.req = replace(req, prompt_token_ids=prompt, params=params, offset=n, attempt=req.attempt + 1)
         t.handle = None
         if counter == "migrations":
-            self._place_moved(t, moving if moving is not None else {})
+            self._place_moved(t, moving if moving is not None else _Moves())
         else:
             self._place_prefill(rid, allow_local=False)
 
-    def _place_moved(self, t: _Tracked, moving: dict[str, int]) -> None:
+    def _place_moved(self, t: _Tracked, moving: _Moves) -> None:
         """Place a sequence of a dead decode worker where its next token comes soonest, by the prompt
         tokens each destination has to compute first:
         - a live decode worker recomputes it in its running batch (`_run_whole`): its queued prompt
@@ -548,7 +555,9 @@ class Router:
           there only the tokens generated since are recomputed.
         Ties go to the decode worker. Placed one by one (longest first), so several moved sequences
         spread over the pools instead of queueing on one worker. `moving` adds up, by destination,
-        the tokens each was given, for the log."""
+        the tokens each was given: a prefill worker's queue already holds those moves, so they are
+        taken out of its queue and counted once (counted twice, later moves shunned the prefill pool
+        and piled up on the surviving decode worker)."""
         n = len(t.req.prompt_token_ids)
         need = self._blocks_needed(n)
         # (tokens computed before its next token, tie-break, destination, its own tokens to compute)
@@ -561,7 +570,7 @@ class Router:
         bs = self.config.block_size
         older: dict[str, int] = {}  # prompt tokens queued on each prefill worker that arrived before t
         for o in self.tracked.values():
-            if o.stage == "prefill" and o.req.arrival_time <= t.req.arrival_time:
+            if o.stage == "prefill" and o.req.arrival_time <= t.req.arrival_time and o.req.request_id not in moving.ids:
                 older[o.worker_id] = older.get(o.worker_id, 0) + o.queued_tokens
         for p in self.prefill.values():
             if p.ready and not p.draining:
@@ -571,14 +580,16 @@ class Router:
                     cached = min(t.req.num_original_prompt_tokens // bs * bs, n - 1)
                 # The step under way (its oldest prompts, up to a step's budget) ends first, and moved
                 # sequences placed before this one (longer, maybe newer) also run first.
-                running = min(p.queued_prompt_tokens, self.config.max_num_batched_tokens)
-                before = max(older.get(p.worker_id, 0), running) + moving.get(p.worker_id, 0)
+                moved_here = moving.tokens.get(p.worker_id, 0)
+                running = min(p.queued_prompt_tokens - moved_here, self.config.max_num_batched_tokens)
+                before = max(older.get(p.worker_id, 0), running) + moved_here
                 options.append((before + n - cached, 1, p, n - cached))
         if not options:
             self._place_prefill(t.req.request_id, allow_local=False)  # waits for a worker
             return
         cost, _, dest, own = min(options, key=lambda o: o[:2])
-        moving[dest.worker_id] = moving.get(dest.worker_id, 0) + own
+        moving.tokens[dest.worker_id] = moving.tokens.get(dest.worker_id, 0) + own
+        moving.ids.add(t.req.request_id)
         self.moves.append({"time": time.time(), "request_id": t.req.request_id, "to": dest.worker_id,
                            "tokens": n, "recompute_tokens": own, "tokens_ahead": cost - own})
         if dest.role == "decode":
@@ -696,13 +707,13 @@ class Router:
             lost[i][0].req.priority,
             -(lost[i][0].req.num_original_prompt_tokens + len(delivered[i] or ())),
             lost[i][0].req.arrival_time or 0.0))
-        moving: dict[str, int] = {}
+        moving = _Moves()
         for i in order:
             t, counter = lost[i]
             await self._requeue(t, f"{w.worker_id} died", counter, moving, delivered[i])
         moved = [t for t, c in lost if c == "migrations"]
         if len(moved) > 1:
-            logger.info("moved %s's sequences: recompute tokens by destination %s", w.worker_id, moving)
+            logger.info("moved %s's sequences: recompute tokens by destination %s", w.worker_id, moving.tokens)
         self._replacing[w.role] += 1
         asyncio.get_event_loop().create_task(self._replace(w.role, moved))
 

@@ -1,0 +1,99 @@
+"""Where the router puts a dead decode worker's sequences (`Router._place_moved`), without Ray: the
+router's bookkeeping runs on fake workers, and the calls it would make on them are recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from deployments import router as router_mod
+from deployments.config import ServeConfig
+from deployments.messages import GenRequest
+from engine import SamplingParams
+
+
+class _Calls:
+    """A fake actor: `actor.add.remote(req)` records ("add", req)."""
+
+    def __init__(self, log: list):
+        self._log = log
+
+    def __getattr__(self, name):
+        return types.SimpleNamespace(remote=lambda *a: self._log.append((name, *a)))
+
+
+@pytest.fixture
+def router(monkeypatch):
+    async def no_start(self):
+        return None
+
+    monkeypatch.setattr(router_mod.ray, "get_runtime_context",
+                        lambda: types.SimpleNamespace(current_actor=None, namespace="test"))
+    monkeypatch.setattr(router_mod.Router, "_start", no_start)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        r = router_mod.Router(ServeConfig(num_prefill_workers=1, num_decode_workers=1, prefix_aware_routing=False,
+                                          enable_prefix_caching=False))
+        for role in ("prefill", "decode"):
+            w = router_mod._Worker(f"{role}-0", role, _Calls([]), info={"num_blocks": 10_000}, ready=True)
+            r.pools[role][w.worker_id] = w
+        yield r
+        for task in r._tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*r._tasks, return_exceptions=True))
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+
+
+def _tracked(i: int, n: int) -> router_mod._Tracked:
+    req = GenRequest(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=8), "hub", None,
+                     num_original_prompt_tokens=n - 4, arrival_time=float(i), attempt=1)
+    return router_mod._Tracked(req, req.params, "requeueing")
+
+
+def test_moved_sequences_split_evenly_between_an_idle_prefill_and_an_idle_decode_worker(router, monkeypatch):
+    # The decode worker's run of a moved sequence, recorded instead of calling the actor (its
+    # bookkeeping is what placement reads: the prompt tokens it has yet to compute).
+    ran = []
+
+    def run_whole(t, w, need, cached=0):
+        w.reserved_prefill_tokens += len(t.req.prompt_token_ids)
+        t.stage, t.worker_id = "admitting", w.worker_id
+        ran.append(t.req.request_id)
+
+    monkeypatch.setattr(router, "_run_whole", run_whole)
+    moves = router_mod._Moves()
+    for i in range(4):
+        t = _tracked(i, 200)
+        router.tracked[t.req.request_id] = t
+        router._place_moved(t, moves)
+    to = [m["to"] for m in router.moves]
+    # Equal work, both idle: two each, alternating (ties go to the decode worker). Counting the prefill
+    # worker's earlier moves twice (its queue and the batch's tally) sent the third to the decode worker.
+    assert to == ["decode-0", "prefill-0", "decode-0", "prefill-0"], list(router.moves)
+    assert [m["tokens_ahead"] for m in router.moves] == [0, 0, 200, 200]
+    assert moves.tokens == {"decode-0": 400, "prefill-0": 400}
+    assert ran == ["r0", "r2"]
+    assert router.prefill["prefill-0"].queued_prompt_tokens == 400
+
+
+def test_moved_sequences_queue_behind_the_prefill_step_under_way(router, monkeypatch):
+    monkeypatch.setattr(router, "_run_whole", lambda t, w, need, cached=0: setattr(
+        w, "reserved_prefill_tokens", w.reserved_prefill_tokens + len(t.req.prompt_token_ids)))
+    p = router.prefill["prefill-0"]
+    newer = _tracked(99, 700)  # a new prompt (arrived after the moved ones) in the step under way
+    router.tracked[newer.req.request_id] = newer
+    router._send_to_prefill(newer, p)
+    moves = router_mod._Moves()
+    for i in range(3):
+        t = _tracked(i, 300)
+        router.tracked[t.req.request_id] = t
+        router._place_moved(t, moves)
+    # decode 0 -> 300; prefill 700 + 300 = 1000 vs decode 300 + 300 = 600 -> decode; then decode
+    # 600 + 300 = 900 < 1000 -> decode.
+    assert [m["to"] for m in router.moves] == ["decode-0", "decode-0", "decode-0"]
+    assert [m["tokens_ahead"] for m in router.moves] == [0, 300, 600]
