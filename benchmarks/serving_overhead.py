@@ -136,9 +136,11 @@ def router_counters() -> dict:
 
 
 def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, direct: bool = False,
-                  local_prefill_max_tokens: int = 512) -> dict:
+                  local_prefill_max_tokens: int = 512, decode_max_prefill_tokens: int | None = None) -> dict:
     app_args = {"num_prefill_workers": prefill, "num_decode_workers": 1, "threads_per_worker": threads,
                 "worker_num_cpus": 1 if prefill else 2, "local_prefill_max_tokens": local_prefill_max_tokens}
+    if decode_max_prefill_tokens is not None:
+        app_args["decode_max_prefill_tokens"] = decode_max_prefill_tokens
     with serve_app(app_args, num_cpus=2, direct=direct) as url:
         result = _bench(cfg, url, warmup)
         result["router_counters"] = router_counters()
@@ -152,7 +154,7 @@ def _row(name: str, m: dict) -> list[str]:
             f(m["duration_s"], 2)]
 
 
-def report(results: dict, threads: int = 1) -> dict:
+def report(results: dict, threads: int = 1, other_cap: int | None = None) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -163,7 +165,9 @@ def report(results: dict, threads: int = 1) -> dict:
              "disaggregated": f"{disagg}, proxy",
              "disaggregated-direct": f"{disagg}, direct ingress",
              "disaggregated-pure": f"{disagg}, no local prefill, proxy",
-             "disaggregated-pure-direct": f"{disagg}, no local prefill, direct ingress"}
+             "disaggregated-pure-direct": f"{disagg}, no local prefill, direct ingress",
+             "disaggregated-cap": f"{disagg}, decode prefill cap {other_cap}, proxy",
+             "disaggregated-cap-direct": f"{disagg}, decode prefill cap {other_cap}, direct ingress"}
     cols = ["setup", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "E2E p50 ms",
             "duration s"]
     table = Table(title="serving overhead (same workload, same 2 cores)", title_justify="left")
@@ -231,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
                         "disaggregation row (0: every prompt through the prefill worker) runs too unless this is 0 "
                         "or --no-pure")
     p.add_argument("--no-pure", action="store_true", help="skip the pure disaggregation row")
+    p.add_argument("--other-decode-cap", type=int, default=None, metavar="N",
+                   help="also run the disaggregated row with the decode worker's prompt tokens per step capped at "
+                        "N (`decode_max_prefill_tokens`; the server's default runs in the main row)")
     p.add_argument("--repeats", type=int, default=1,
                    help="run every row this many times, interleaved (engine, colocated, disaggregated, engine, "
                         "...); each repeat's rows are compared with that repeat's engine row, and the median "
@@ -242,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         return _repeated(args)
     results = _run_rows(args)
     if "engine" in results and len(results) > 1:
-        results["summary"] = report(results, args.disagg_threads)
+        results["summary"] = report(results, args.disagg_threads, args.other_decode_cap)
     else:
         from deployments.bench_cli import print_report
 
@@ -272,7 +279,7 @@ def _repeated(args: argparse.Namespace) -> int:
     for i in range(args.repeats):
         print(f"=== repeat {i + 1}/{args.repeats}", flush=True)
         results = _run_rows(args)
-        results["summary"] = report(results, args.disagg_threads)
+        results["summary"] = report(results, args.disagg_threads, args.other_decode_cap)
         passes.append(results)
     console = Console(width=170)
     console.print(f"[bold]median over {args.repeats} interleaved repeats[/bold] (each against its own engine row)")
@@ -310,6 +317,11 @@ def _run_rows(args: argparse.Namespace) -> dict:
             results["disaggregated" + "-direct" * direct] = run_ray_serve(
                 cfg, args.warmup, prefill=1, threads=args.disagg_threads, direct=direct,
                 local_prefill_max_tokens=args.local_prefill_max_tokens)
+    if args.only in (None, "disaggregated") and args.other_decode_cap is not None:
+        direct = modes[-1]
+        results["disaggregated-cap" + "-direct" * direct] = run_ray_serve(
+            cfg, args.warmup, prefill=1, threads=args.disagg_threads, direct=direct,
+            local_prefill_max_tokens=args.local_prefill_max_tokens, decode_max_prefill_tokens=args.other_decode_cap)
     if args.only in (None, "disaggregated") and args.local_prefill_max_tokens and not args.no_pure:
         direct = modes[-1]
         results["disaggregated-pure" + "-direct" * direct] = run_ray_serve(

@@ -25,7 +25,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-num-batched-tokens", type=int, default=1024)
     s.add_argument("--max-model-len", type=int, default=None)
-    s.add_argument("--decode-max-prefill-tokens", type=int, default=256,
+    s.add_argument("--decode-max-prefill-tokens", type=int, default=128,
                    help="prompt tokens a decode worker computes per step next to a prefill pool")
     s.add_argument("--local-prefill-max-tokens", type=int, default=512,
                    help="prompts up to this long may prefill on a decode worker when the prefill pool is "

@@ -27,8 +27,8 @@ def test_bad_ingress_settings_name_the_field(bad):
 
 
 def test_prefill_settings_reach_the_right_engines():
-    cfg = ServeConfig(decode_max_prefill_tokens=128)
-    assert cfg.engine_config("decode").max_prefill_tokens_per_step == 128
+    cfg = ServeConfig(decode_max_prefill_tokens=96)
+    assert cfg.engine_config("decode").max_prefill_tokens_per_step == 96
     assert cfg.engine_config("prefill").max_prefill_tokens_per_step is None
     # Colocated, a decode worker is the whole engine: no separate prompt cap.
     assert ServeConfig(num_prefill_workers=0).engine_config("decode").max_prefill_tokens_per_step is None
