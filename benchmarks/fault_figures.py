@@ -195,9 +195,9 @@ def main(argv=None) -> int:
         if args.no_burst:
             return 0
         print("\nprefill burst (fresh app: 1 prefill worker, may scale to 2) ...", flush=True)
-        # NOTE: a small pool here: a CPU worker zero-fills its whole KV pool at start (2 GB: seconds on a
-        # busy 2-core box), which would hide the scaling path's own latency (a GPU allocates at once).
-        # And no local prefill: decode workers prefilling part of the burst would shorten it until it
+        # NOTE: a small pool here, as in the runs before the CPU pool was zero-filled lazily (until then a
+        # 2 GB pool took seconds to zero at start, which hid the scaling path's own latency), so the
+        # figures stay comparable. And no local prefill: decode workers prefilling part of the burst would shorten it until it
         # ends before the new worker starts, and this phase measures the prefill pool's scale-up path.
         cfg = replace(cfg, prefill_max_workers=2, prefill_target_queued_tokens=1024, upscale_delay_s=1.0,
                       downscale_delay_s=30.0, kv_cache_memory_mb=args.burst_kv_cache_mb, local_prefill_max_tokens=0)

@@ -312,20 +312,21 @@ def _run_rows(args: argparse.Namespace) -> dict:
         if args.only in (None, "colocated"):
             results["colocated" + "-direct" * direct] = run_ray_serve(cfg, args.warmup, prefill=0, threads=2,
                                                                       direct=direct)
+    if args.only not in (None, "disaggregated"):
+        return results
+
+    def disaggregated(key: str, direct: bool, **app) -> None:
+        app.setdefault("local_prefill_max_tokens", args.local_prefill_max_tokens)
+        results[key + "-direct" * direct] = run_ray_serve(cfg, args.warmup, prefill=1, threads=args.disagg_threads,
+                                                          direct=direct, **app)
+
     for direct in modes:
-        if args.only in (None, "disaggregated"):
-            results["disaggregated" + "-direct" * direct] = run_ray_serve(
-                cfg, args.warmup, prefill=1, threads=args.disagg_threads, direct=direct,
-                local_prefill_max_tokens=args.local_prefill_max_tokens)
-    if args.only in (None, "disaggregated") and args.other_decode_cap is not None:
-        direct = modes[-1]
-        results["disaggregated-cap" + "-direct" * direct] = run_ray_serve(
-            cfg, args.warmup, prefill=1, threads=args.disagg_threads, direct=direct,
-            local_prefill_max_tokens=args.local_prefill_max_tokens, decode_max_prefill_tokens=args.other_decode_cap)
-    if args.only in (None, "disaggregated") and args.local_prefill_max_tokens and not args.no_pure:
-        direct = modes[-1]
-        results["disaggregated-pure" + "-direct" * direct] = run_ray_serve(
-            cfg, args.warmup, prefill=1, threads=args.disagg_threads, direct=direct, local_prefill_max_tokens=0)
+        disaggregated("disaggregated", direct)
+    # The variants run with the last ingress mode only.
+    if args.other_decode_cap is not None:
+        disaggregated("disaggregated-cap", modes[-1], decode_max_prefill_tokens=args.other_decode_cap)
+    if args.local_prefill_max_tokens and not args.no_pure:
+        disaggregated("disaggregated-pure", modes[-1], local_prefill_max_tokens=0)
     return results
 
 

@@ -27,7 +27,7 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     gather + SDPA path reads masked padding slots, and 0 x NaN would poison a row."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     buf = mmap.mmap(-1, nbytes)  # MAP_ANONYMOUS | MAP_PRIVATE: zero-filled by definition
