@@ -74,6 +74,10 @@ class ServeConfig:
     # likely cached (weighed against the queues). Routing needs caching.
     enable_prefix_caching: bool = True
     prefix_aware_routing: bool = True
+    # A prompt a decode worker computed itself (a local prefill, a moved sequence) is copied over the KV
+    # transport into a prefill worker's prefix cache. If that decode worker dies, its sequence is then
+    # recomputed from the end of its prompt, not from its first token. Needs prefix-aware routing.
+    kv_backup: bool = True
     # Router: requests admitted but not yet decoding, beyond which new ones get 429.
     max_queued_requests: int = 256
     kv_lease_s: float = 60.0
@@ -144,6 +148,10 @@ class ServeConfig:
     @property
     def routes_by_prefix(self) -> bool:
         return self.prefix_aware_routing and self.enable_prefix_caching
+
+    @property
+    def backs_up_kv(self) -> bool:
+        return self.kv_backup and self.routes_by_prefix and not self.colocated
 
     @property
     def colocated(self) -> bool:

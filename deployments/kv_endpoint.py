@@ -1,5 +1,9 @@
 """Ray glue for KV transfer: `KVExporter` lives in a prefill actor, `KVImporter` in a decode actor.
 
+Both kinds of worker have both: the other way round, a prefill worker pulls a copy of a prompt a
+decode worker computed itself into its prefix cache (KV backup, `PrefillWorker.kv_backup`), over a
+channel of its own. Below, "prefill" and "decode" name the usual direction.
+
     decode actor (KVImporter.pull)                      prefill actor (KVExporter, via KVExportMixin)
     first pull from this exporter only:
       ray.get(exporter.kv_open_channel(me)) ----------->  listen: gloo rank 0 (TCPStore) -> (node ip, port)
@@ -40,7 +44,7 @@ import collections
 import contextlib
 import logging
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -63,9 +67,12 @@ class KVExporter:
     """
 
     def __init__(self, worker_id: str, engine: LLMEngine, *, engine_lock: Any = None, lease_s: float = 30.0,
-                 timeout_s: float = 30.0, host: str | None = None):
+                 timeout_s: float = 30.0, host: str | None = None, free: Callable[[str], object] | None = None):
+        """`free(lease id)`: what frees a lease's blocks, under the engine lock (default: the engine's
+        `release_prefilled`; a decode worker exporting a copy of blocks it pinned passes its own)."""
         self.worker_id = worker_id
         self._engine, self._lock = engine, engine_lock or threading.RLock()
+        self._free = free or engine.release_prefilled
         self._ended: collections.deque[str] = collections.deque()  # leases ended, blocks not yet freed
         kv_cache = engine.runner.kv_cache
         # gloo for a CPU cache, NCCL for a CUDA one (kv_transfer.make_transport)
@@ -88,7 +95,7 @@ class KVExporter:
         try:
             n = 0
             while self._ended:
-                self._engine.release_prefilled(self._ended.popleft())
+                self._free(self._ended.popleft())
                 n += 1
             return n
         finally:
@@ -99,6 +106,10 @@ class KVExporter:
         worker. Its blocks are freed on that worker's ack, on any transfer failure, or on expiry."""
         assert output.finish_reason == "prefilled" and output.block_ids is not None, output.finish_reason
         return self.leases.grant(output.request_id, output.block_ids, num_prompt_tokens, output.token_ids[0], lease_s)
+
+    def grant_blocks(self, lease_id: str, block_ids: list[int], num_tokens: int, lease_s: float | None = None) -> KVHandle:
+        """Lease blocks the caller holds a reference on (`free(lease_id)` drops it when the lease ends)."""
+        return self.leases.grant(lease_id, block_ids, num_tokens, -1, lease_s)
 
     def open_channel(self, peer_id: str) -> Any:
         """Host a fresh channel to decode worker `peer_id`; returns the address it connects to

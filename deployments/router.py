@@ -108,7 +108,8 @@ class Router:
         self.counters = {"submitted": 0, "rejected": 0, "finished": 0, "aborted": 0, "retries": 0,
                          "migrations": 0, "transfer_failures": 0, "admitted": 0, "worker_deaths": 0,
                          "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0, "rebalanced": 0,
-                         "local_prefills": 0, "prefix_routed": 0, "prefix_routed_tokens": 0}
+                         "local_prefills": 0, "prefix_routed": 0, "prefix_routed_tokens": 0,
+                         "kv_backups": 0, "kv_backup_tokens": 0}
         self.scale = {"prefill": _ScaleState(), "decode": _ScaleState()}
         self._replacing = {"prefill": 0, "decode": 0}  # dead workers whose replacement is pending
         self.decisions: deque[dict] = deque(maxlen=100)
@@ -221,6 +222,8 @@ class Router:
         if not pairs:
             return
         calls = [d.actor.connect_kv.remote(p.worker_id, p.actor) for d, p in pairs]
+        if self.config.backs_up_kv:  # the other way: prefill workers pull copies of local prefills
+            calls += [p.actor.connect_kv.remote(d.worker_id, d.actor) for d, p in pairs]
         try:
             await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True),
                                    self.config.kv_transfer_timeout_s)
@@ -607,8 +610,31 @@ class Router:
         self._computes(t, w, cached)
         if t.req.attempt == 0:
             self.counters["admitted"] += 1
-        ref = w.actor.resume.remote(t.req)
+        ref = w.actor.resume.remote(t.req, self._backup_target(t) if self.config.backs_up_kv else None)
         asyncio.get_event_loop().create_task(self._resumed(t, w, need, ref))
+
+    def _backup_target(self, t: _Tracked) -> tuple[str, Any, int] | None:
+        """Where a decode worker about to compute `t`'s prompt copies it (`DecodeWorker.resume`): the
+        prefill worker holding most of it already (then the least queued), and from which block on."""
+        n = len(t.req.prompt_token_ids)
+        hashes = self._hashes(t)
+        full = n // self.config.block_size
+        options = [(-self._cached(p, hashes, n), p.queued_prompt_tokens, p.worker_id, p)
+                   for p in self.prefill.values() if p.ready and not p.draining]
+        if not full or not options:
+            return None
+        neg_cached, _, _, p = min(options, key=lambda o: o[:3])
+        first = -neg_cached // self.config.block_size
+        return (p.worker_id, p.actor, first) if first < full else None
+
+    async def on_kv_backup(self, worker_id: str, request_id: str, num_tokens: int, copied_tokens: int) -> None:
+        """Prefill worker `worker_id` has `request_id`'s first `num_tokens` tokens of KV cached, the last
+        `copied_tokens` of them just copied from a decode worker."""
+        t = self.tracked.get(request_id)
+        self.counters["kv_backups"] += 1
+        self.counters["kv_backup_tokens"] += copied_tokens
+        if t is not None and worker_id in self.prefill:
+            self.prefix_index.record(worker_id, self._hashes(t)[:num_tokens // self.config.block_size])
 
     async def _resumed(self, t: _Tracked, w: _Worker, need: int, ref) -> None:
         try:

@@ -34,6 +34,9 @@ def add_serve_parser(sub) -> None:
                    help="engines do not keep the KV of ended requests for later prompts with the same prefix")
     s.add_argument("--no-prefix-aware-routing", action="store_true",
                    help="place prompts by queue length only, not where their prefix is likely cached")
+    s.add_argument("--no-kv-backup", action="store_true",
+                   help="do not copy prompts that decode workers prefilled themselves to a prefill worker's cache "
+                        "(the copy shortens the recompute when a decode worker dies)")
     s.add_argument("--max-queued-requests", type=int, default=256)
     s.add_argument("--cluster-resources", action="store_true",
                    help="pin workers to nodes with the `prefill` / `decode` custom resources (cluster.yaml)")
@@ -75,7 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         decode_max_prefill_tokens=args.decode_max_prefill_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        prefix_aware_routing=not args.no_prefix_aware_routing, max_queued_requests=args.max_queued_requests,
+        prefix_aware_routing=not args.no_prefix_aware_routing, kv_backup=not args.no_kv_backup,
+        max_queued_requests=args.max_queued_requests,
         api_key=args.api_key, http_host=args.host,
         http_port=args.port, direct_ingress=args.direct_ingress, ingress_max_replicas=args.ingress_max_replicas,
         prefill_resources={"prefill": 0.01} if args.cluster_resources else {},

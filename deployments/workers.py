@@ -45,6 +45,10 @@ class _EngineWorker:
         self.router = router
         self.engine = LLMEngine(config.engine_config(self.role))
         self.lock = threading.RLock()
+        # Decode workers pull prefilled prompts with it; prefill workers, copies of prompts a decode
+        # worker prefilled itself (`PrefillWorker.kv_backup`).
+        self.kv_importer = KVImporter(worker_id, self.engine, engine_lock=self.lock,
+                                      timeout_s=config.kv_transfer_timeout_s)
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._alive = True
@@ -90,6 +94,16 @@ class _EngineWorker:
     def num_requests(self) -> int:
         with self.lock:
             return len(self.requests)
+
+    def connect_kv(self, peer_id: str, peer_actor: Any) -> bool:
+        """Open the KV channel that pulls from `peer_id` ahead of the first pull; False if it failed (the
+        first pull then tries again)."""
+        try:
+            self.kv_importer.connect(peer_id, peer_actor)
+            return True
+        except KVTransferError as exc:
+            logger.warning("%s: could not open a KV channel to %s: %r", self.worker_id, peer_id, exc)
+            return False
 
     def watch(self, timeout_s: float = 300.0) -> bool:
         """Returns True when this worker shuts down, False after `timeout_s`. The router keeps one call
@@ -175,7 +189,24 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
     def close(self) -> None:
         """Drained: release every lease and transfer group."""
         self.kv_exporter.close()
+        self.kv_importer.close()
         self.shutdown()
+
+    def kv_backup(self, handle: KVHandle, exporter: Any, request_id: str, token_ids: list[int], first_block: int) -> int:
+        """Pull a copy of prompt KV that decode worker `exporter` computed (a local prefill, a moved
+        sequence) into this worker's prefix cache: `handle` holds the full blocks `first_block`... of
+        `token_ids`. If that decode worker dies, its sequence is recomputed here from the end of these
+        blocks instead of from its first token. Returns the blocks newly cached (0 if the pull failed:
+        the copy is only an optimization)."""
+        try:
+            block_ids = self.kv_importer.pull(handle, exporter)
+        except KVTransferError as exc:
+            logger.info("%s: KV backup of %s not taken: %r", self.worker_id, request_id, exc)
+            return 0
+        with self.lock:
+            n = self.engine.cache_blocks(token_ids, block_ids, first_block)
+        self.router.on_kv_backup.remote(self.worker_id, request_id, len(token_ids), handle.num_tokens)
+        return n
 
     def add(self, req: GenRequest) -> None:
         try:
@@ -256,22 +287,30 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
         self._push(events, reqs)
 
     def kv_stats(self) -> dict:
-        return self.kv_exporter.stats()
+        return {**self.kv_exporter.stats(), **self.kv_importer.stats()}
 
 
 @ray.remote(max_concurrency=32)
-class DecodeWorker(_EngineWorker):
+class DecodeWorker(KVExportMixin, _EngineWorker):
     """Pulls prefilled KV, decodes in one continuous batch, reports to the router after every step.
-    Colocated (no prefill pool), it prefills its requests itself (`resume`)."""
+    Colocated (no prefill pool), it prefills its requests itself (`resume`). A prompt it prefilled
+    itself next to a prefill pool, it copies to a prefill worker's prefix cache (`kv_backup`)."""
 
     role = "decode"
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         _EngineWorker.__init__(self, worker_id, config, router)
-        self.kv_importer = KVImporter(worker_id, self.engine, engine_lock=self.lock,
-                                      timeout_s=config.kv_transfer_timeout_s)
         self._aborted: set[str] = set()
+        # KV backups: request id -> (prefill worker id, its actor, first block to copy), until the prompt
+        # is computed; then the copied blocks, pinned by lease id until the prefill worker has them.
+        self._backups: dict[str, tuple[str, Any, int]] = {}
+        self._pinned: dict[str, list[int]] = {}
+        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s,
+                                      free=self._unpin)
         self._start()
+
+    def _unpin(self, lease_id: str) -> None:
+        self.engine.free_blocks(self._pinned.pop(lease_id, []))
 
     def admit(self, req: GenRequest, handle: KVHandle, prefill_actor: Any) -> bool:
         """Fetch the KV from `prefill_actor` and join the running batch. False (router re-prefills) on
@@ -294,15 +333,20 @@ class DecodeWorker(_EngineWorker):
         self._wake.set()
         return True
 
-    def resume(self, req: GenRequest) -> bool | str:
+    def resume(self, req: GenRequest, backup: tuple[str, Any, int] | None = None) -> bool | str:
         """Run `req` whole here: prefill included, as chunks mixed into this worker's running batch.
 
         Two uses: colocated serving (no prefill pool), and taking over a sequence whose decode worker
         died (its prompt then holds every token the client already has). A moved sequence so neither
         queues behind new prompts on the prefill pool nor waits for a transfer. Returns True, or the
-        engine's reason for refusing it (the router then fails it, or goes through prefill)."""
+        engine's reason for refusing it (the router then fails it, or goes through prefill).
+
+        `backup` = (prefill worker id, its actor, first block): once the prompt is computed, copy its
+        full blocks from that one on to the prefill worker's prefix cache (`PrefillWorker.kv_backup`)."""
         with self.lock:
             self._aborted.discard(req.request_id)
+            if backup is not None:
+                self._backups[req.request_id] = backup
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         arrival_time=_engine_arrival(req))
@@ -315,6 +359,7 @@ class DecodeWorker(_EngineWorker):
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
+            self._backups.pop(request_id, None)
             known = request_id in self.requests
             if not known:
                 self._aborted.add(request_id)  # a pull may be in flight
@@ -325,21 +370,39 @@ class DecodeWorker(_EngineWorker):
             return {"decoding": list(self.requests.values())}
 
     def kv_stats(self) -> dict:
-        return self.kv_importer.stats()
-
-    def connect_kv(self, prefill_id: str, prefill_actor: Any) -> bool:
-        """Open the KV channel to a prefill worker ahead of the first pull; False if it failed (the
-        first pull then tries again)."""
-        try:
-            self.kv_importer.connect(prefill_id, prefill_actor)
-            return True
-        except KVTransferError as exc:
-            logger.warning("%s: could not open a KV channel to %s: %r", self.worker_id, prefill_id, exc)
-            return False
+        return {**self.kv_importer.stats(), **self.kv_exporter.stats()}
 
     def close(self) -> None:
         self.kv_importer.close()
+        self.kv_exporter.close()
         self.shutdown()
+
+    def _settle(self) -> None:
+        self.kv_exporter.free_released()
+        if self._pinned:
+            self.kv_exporter.reap_expired()
+
+    def _idle(self) -> None:
+        with self.lock:
+            self._settle()
+
+    def _start_backup(self, req: GenRequest, out: RequestOutput) -> tuple | None:
+        """The prompt of `req` is computed: pin its full blocks past the ones the prefill worker has
+        and lease them (caller holds the lock). Returns the `kv_backup` call's arguments, or None."""
+        prefill_id, actor, first = self._backups.pop(req.request_id)
+        if out.finished:
+            return None
+        block_ids = self.engine.pin_computed_blocks(req.request_id, len(req.prompt_token_ids))
+        if len(block_ids) <= first:
+            self.engine.free_blocks(block_ids)
+            return None
+        self.engine.free_blocks(block_ids[:first])
+        lease_id = f"{req.request_id}@kv-backup-{self.num_steps}"
+        self._pinned[lease_id] = block_ids[first:]
+        bs = self.engine.block_manager.block_size
+        handle = self.kv_exporter.grant_blocks(lease_id, block_ids[first:], (len(block_ids) - first) * bs)
+        return actor, (handle, ray.get_runtime_context().current_actor, req.request_id,
+                       req.prompt_token_ids[:len(block_ids) * bs], first)
 
     def report(self) -> DecodeReport:
         with self.lock:
@@ -348,12 +411,14 @@ class DecodeWorker(_EngineWorker):
                                 self.engine.num_waiting, prefill_backlog=self.engine.prefill_backlog)
 
     def _after_step(self, outs: list[RequestOutput], stats) -> None:
-        events, reqs, finished = [], [], []
+        events, reqs, finished, backups = [], [], [], []
         with self.lock:
             for out in outs:
                 req = self.requests.get(out.request_id)
                 if req is None:
                     continue
+                if out.request_id in self._backups:
+                    backups.append(self._start_backup(req, out))
                 offset = req.offset + len(out.token_ids) - len(out.new_token_ids)
                 ev = StreamEvent(req.request_id, offset, list(out.new_token_ids),
                                  num_prompt_tokens=req.num_original_prompt_tokens,
@@ -366,6 +431,9 @@ class DecodeWorker(_EngineWorker):
                 reqs.append(req)
             report = self.report()
         self._push(events, reqs)
+        for b in backups:
+            if b is not None:
+                b[0].kv_backup.remote(*b[1])
         report.finished_ids = finished
         report.batch_size = stats.num_seqs
         report.step_s = stats.duration_s

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineConfigError, InvalidRequestError, PromptTooLongError
 from engine.model_loader import load_model_and_tokenizer
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus
+from engine.request import Request, RequestOutput, RequestStatus, extend_block_keys
 from engine.sampler import sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -160,6 +160,33 @@ class LLMEngine:
 
     def free_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.free(block_ids)
+
+    def pin_computed_blocks(self, request_id: str, max_tokens: int) -> list[int]:
+        """A reference on each full block of `request_id`'s first `max_tokens` tokens whose KV is
+        computed, so it survives the request (to export a copy); `free_blocks` drops it. [] if the
+        request is not running here."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            return []
+        n = min(max_tokens, req.num_computed_tokens) // self.block_manager.block_size
+        block_ids = list(req.block_table[:n])
+        self.block_manager.incref(block_ids)
+        return block_ids
+
+    def cache_blocks(self, token_ids: list[int], block_ids: list[int], first_block: int = 0) -> int:
+        """Imported KV into the prefix cache: `block_ids` (from `allocate_blocks`) hold the full blocks
+        `first_block`, `first_block` + 1, ... of `token_ids`. Each is registered under its key (unless
+        that key is cached already), then freed: cached and free, like a finished request's blocks.
+        Returns how many were registered."""
+        bs = self.block_manager.block_size
+        keys = extend_block_keys([], token_ids, first_block + len(block_ids), bs)[first_block:]
+        assert len(keys) == len(block_ids), f"{len(block_ids)} blocks but {len(keys)} full blocks of tokens"
+        before = self.block_manager.num_cached_blocks
+        if self.config.enable_prefix_caching:
+            for b, key in zip(block_ids, keys):
+                self.block_manager.register(b, key)
+        self.block_manager.free(block_ids)
+        return self.block_manager.num_cached_blocks - before
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                               params: SamplingParams, block_ids: list[int], num_computed_tokens: int,

@@ -35,6 +35,14 @@ class RequestStatus(enum.Enum):
 _arrival_counter = itertools.count()
 
 
+def extend_block_keys(keys: list[BlockKey], token_ids: list[int], num_blocks: int, block_size: int) -> list[BlockKey]:
+    """Append the prefix-cache keys of `token_ids`' full blocks len(keys)..num_blocks-1 to `keys`: each
+    block's tokens, chained to the key before it, so a block only matches after the same prefix."""
+    for i in range(len(keys), num_blocks):
+        keys.append((hash(keys[-1]) if keys else 0, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+    return keys
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
@@ -63,12 +71,9 @@ class Request:
 
     def full_block_keys(self, num_blocks: int, block_size: int) -> list[BlockKey]:
         """The prefix-cache keys of this request's first `num_blocks` full blocks (computed once)."""
-        keys = self.block_keys
-        if len(keys) < num_blocks:
-            tokens = self.all_token_ids
-            for i in range(len(keys), num_blocks):
-                keys.append((hash(keys[-1]) if keys else 0, tuple(tokens[i * block_size:(i + 1) * block_size])))
-        return keys[:num_blocks]
+        if len(self.block_keys) < num_blocks:
+            extend_block_keys(self.block_keys, self.all_token_ids, num_blocks, block_size)
+        return self.block_keys[:num_blocks]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -92,6 +92,40 @@ def test_abort_mid_generation_frees_blocks(llm):
     assert eng.block_manager.num_used_blocks == 0
 
 
+def test_pinned_blocks_copied_into_another_engines_prefix_cache(llm, tiny_model_dir):
+    """The KV backup hooks: pin a running request's computed prompt blocks (they outlive it), copy them
+    into a second engine and `cache_blocks` them there: that engine then takes them as a cached prefix
+    and samples what the first one did."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = list(range(100, 123))  # 5 full blocks of 4, and 3 tokens
+    eng.add_request("a", prompt, params)
+    eng.step()  # the whole prompt in one step
+    pinned = eng.pin_computed_blocks("a", len(prompt))
+    assert len(pinned) == 5 and eng.pin_computed_blocks("nope", 10) == []
+    out = []
+    while eng.has_unfinished_requests():
+        out += [o for o in eng.step() if o.finished]
+    assert eng.block_manager.num_used_blocks == 5  # "a" ended, its pinned blocks did not
+
+    other = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_model_len=200))
+    ids = other.allocate_blocks(3 * 4)  # blocks 2..4: the other engine has 0..1 from a shared prefix
+    other.runner.kv_cache[ids] = eng.runner.kv_cache[pinned[2:]]
+    eng.free_blocks(pinned)
+    other.add_request("head", prompt[:9], SamplingParams(max_tokens=1))
+    while other.has_unfinished_requests():
+        other.step()
+    assert other.cache_blocks(prompt[:20], ids, first_block=2) == 3
+    assert other.block_manager.num_used_blocks == 0  # cached and free
+    other.add_request("b", prompt + out[0].token_ids[:2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    got = []
+    while other.has_unfinished_requests():
+        got += [o for o in other.step() if o.finished]
+    assert got[0].num_cached_tokens == 20 and got[0].token_ids == out[0].token_ids[2:]
+    other.check_integrity()
+    assert other.block_manager.num_used_blocks == 0
+
+
 def test_seeded_sampling_reproducible_whatever_the_batch(llm):
     sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate([[9, 8, 7, 6]], sp)[0].token_ids

@@ -1,0 +1,131 @@
+"""KV backup: a prompt a decode worker computed itself is copied into a prefill worker's prefix cache,
+so that the sequence, if its decode worker dies, is recomputed there from the end of its prompt.
+
+Real worker actors on SmolLM2, a stand-in router and stream hub. The copy must be the right KV: a
+prefill of the prompt plus the tokens decoded so far (what the router sends after a death) finds the
+prompt cached and samples the same next token as the undisturbed greedy run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import ray
+
+from deployments.config import ServeConfig
+from deployments.messages import GenRequest
+from deployments.workers import DecodeWorker, PrefillWorker
+from engine import EngineConfig, LLMEngine, SamplingParams
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+BS = 16
+
+
+@ray.remote(num_cpus=0)
+class FakeRouter:
+    """Records what the workers tell the router."""
+
+    def __init__(self):
+        self.calls: dict[str, list] = {}
+
+    def _add(self, name, *args):
+        self.calls.setdefault(name, []).append(args)
+
+    def report_decode(self, report):
+        self._add("report_decode", report.finished_ids)
+
+    def on_prefilled(self, worker_id, request_id, handle):
+        self._add("on_prefilled", request_id, handle)
+
+    def on_finished(self, worker_id, request_id):
+        self._add("on_finished", request_id)
+
+    def on_kv_backup(self, worker_id, request_id, num_tokens, copied_tokens):
+        self._add("on_kv_backup", worker_id, request_id, num_tokens, copied_tokens)
+
+    def get(self, name):
+        return self.calls.get(name, [])
+
+
+@ray.remote(num_cpus=0)
+class FakeHub:
+    def __init__(self):
+        self.events = []
+
+    def push(self, events):
+        self.events += events
+
+    def tokens(self, request_id):
+        evs = [e for e in self.events if e.request_id == request_id]
+        return [t for e in sorted(evs, key=lambda e: e.offset) for t in e.token_ids], [e for e in evs]
+
+
+def _wait(fn, timeout_s=120.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = fn()
+        if got:
+            return got
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def workers():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-backup-test")
+    cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=32, block_size=BS)
+    router, hub = FakeRouter.remote(), FakeHub.remote()
+    prefill = PrefillWorker.options(num_cpus=1).remote("p0", cfg, router)
+    decode = DecodeWorker.options(num_cpus=1).remote("d0", cfg, router)
+    ray.get([prefill.info.remote(), decode.info.remote()], timeout=300)
+    assert ray.get(prefill.connect_kv.remote("d0", decode), timeout=60)  # the backup channel, d0 -> p0
+    yield router, hub, prefill, decode
+    ray.shutdown()
+
+
+def _greedy(prompt, max_tokens):
+    eng = LLMEngine(EngineConfig(model=None, num_kv_blocks=64, block_size=BS))
+    eng.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                return o.token_ids
+
+
+@pytest.mark.parametrize("first_block", [0, 2])
+def test_local_prefill_is_copied_to_the_prefill_cache(workers, first_block):
+    router, hub, prefill, decode = workers
+    prompt = [200 + (7 * i + 31 * first_block) % 20000 for i in range(5 * BS + 3)]  # 5 full blocks
+    want = _greedy(prompt, 12)
+    rid = f"local-{first_block}"
+    if first_block:  # the prefill worker already has the prompt's first blocks (a shared prefix)
+        head = f"head-{first_block}"
+        ray.get(prefill.add.remote(GenRequest(head, prompt[:first_block * BS + 5], SamplingParams(max_tokens=2),
+                                              "hub", hub, arrival_time=time.time())), timeout=30)
+        handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == head])[0]
+        assert ray.get(prefill.kv_release.remote(head, handle.epoch), timeout=30)
+    req = GenRequest(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), "hub", hub,
+                     num_original_prompt_tokens=len(prompt), arrival_time=time.time())
+    assert ray.get(decode.resume.remote(req, ("p0", prefill, first_block)), timeout=30) is True
+    got = _wait(lambda: [c for c in ray.get(router.get.remote("on_kv_backup")) if c[1] == rid])
+    assert got == [("p0", rid, 5 * BS, (5 - first_block) * BS)]
+    toks = _wait(lambda: (t := ray.get(hub.tokens.remote(rid))[0]) and len(t) == 12 and t)
+    assert toks == want
+
+    # What the router sends the prefill worker if d0 died after 6 tokens: the prompt plus those tokens.
+    moved = f"moved-{first_block}"
+    req2 = GenRequest(moved, prompt + want[:6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), "hub",
+                      hub, offset=6, num_original_prompt_tokens=len(prompt), arrival_time=time.time())
+    ray.get(prefill.add.remote(req2), timeout=30)
+    handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == moved])[0]
+    _, events = ray.get(hub.tokens.remote(moved))
+    assert events[0].token_ids == [want[6]]  # the copied KV gives the undisturbed run's next token
+    assert events[0].num_cached_tokens == 5 * BS
+    assert ray.get(prefill.kv_release.remote(moved, handle.epoch), timeout=30)
+
+    for w in (prefill, decode):  # the decode worker's pinned copy is released once the prefill worker has it
+        use = _wait(lambda: (u := ray.get(w.check_integrity.remote(), timeout=30))["num_used_blocks"] == 0 and u)
+        assert use["num_requests"] == 0
