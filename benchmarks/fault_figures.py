@@ -1,8 +1,10 @@
 """Figures for failures and scaling under a steady load on the CPU app (1 prefill + 2 decode workers):
 
 1. kill one decode worker mid-load (fixed pools; `--trials` kills, each on a fresh app and later in the
-   load than the last): requests lost (target 0), the longest stall a client sees (target: < one
-   re-prefill of the longest sequence + 1 s), and whether outputs equal an undisturbed run (greedy);
+   load than the last): requests lost (target 0), the longest stall a client sees from the kill (its
+   longest gap between two tokens that ends after the kill; target: < one re-prefill of the longest
+   sequence + 1 s), the longest gap before the kill (the steady load's own, for comparison), and
+   whether outputs equal an undisturbed run (greedy);
 2. a prefill burst on a fresh app whose prefill pool may grow from 1 to 2: time from the burst to the
    scale-up decision, to the new worker being ready, and to it serving its first step.
 
@@ -57,9 +59,9 @@ def reference(reqs, threads: int) -> tuple[list[list[int]], float]:
 
 
 async def steady_load_with_kill(backend, router, reqs, rate: float, kill_at: float, seed: int):
+    """Returns each request's gaps between tokens as (began, length) in s since the start, and more."""
     rng = random.Random(seed)
-    gaps: list[float] = [0.0] * len(reqs)
-    gap_at: list[float] = [0.0] * len(reqs)  # when the longest gap of each request began (s since start)
+    gaps: list[list[tuple[float, float]]] = [[] for _ in reqs]
     errors: list[str | None] = [None] * len(reqs)
     t0 = time.monotonic()
 
@@ -70,8 +72,8 @@ async def steady_load_with_kill(backend, router, reqs, rate: float, kill_at: flo
             async for d in backend.generate(f"s{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                             ignore_eos=True)):
                 now = time.monotonic()
-                if d.token_ids and last is not None and now - last > gaps[i]:
-                    gaps[i], gap_at[i] = now - last, last - t0
+                if d.token_ids and last is not None:
+                    gaps[i].append((last - t0, now - last))
                 if d.token_ids:
                     last = now
                 if d.finish_reason == "error":
@@ -92,7 +94,7 @@ async def steady_load_with_kill(backend, router, reqs, rate: float, kill_at: flo
     ray.kill(workers[victim])
     killed_at = time.monotonic() - t0
     outs = await asyncio.wait_for(asyncio.gather(*tasks), 900)
-    return outs, gaps, gap_at, errors, victim, killed_at
+    return outs, gaps, errors, victim, killed_at
 
 
 async def burst(backend, router, n: int, prompt_len: int):
@@ -140,6 +142,8 @@ def main(argv=None) -> int:
     p.add_argument("--local-prefill-max-tokens", type=int, default=ServeConfig().local_prefill_max_tokens,
                    help="conditional disaggregation (the server's default; 0: every prompt through the prefill pool)")
     p.add_argument("--decode-max-prefill-tokens", type=int, default=ServeConfig().decode_max_prefill_tokens)
+    p.add_argument("--no-kv-backup", action="store_true",
+                   help="decode workers do not copy prompts they prefilled to the prefill pool (kv_backup off)")
     p.add_argument("--no-burst", action="store_true", help="only the kills, not the prefill burst")
     p.add_argument("--burst-kv-cache-mb", type=int, default=128, help="KV pool per worker in the burst phase")
     args = p.parse_args(argv)
@@ -153,10 +157,10 @@ def main(argv=None) -> int:
         # a prefill scale-up that happens to start at the same time; phase 2 gets a fresh app that scales.
         cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, health_check_timeout_s=5.0,
                           kv_cache_memory_mb=args.kv_cache_mb, local_prefill_max_tokens=args.local_prefill_max_tokens,
-                          decode_max_prefill_tokens=args.decode_max_prefill_tokens)
+                          decode_max_prefill_tokens=args.decode_max_prefill_tokens, kv_backup=not args.no_kv_backup)
         target = reprefill_s + 1
         longest = max(len(p) + m for p, m in reqs)
-        summary = []
+        summary, backups = [], []
         for trial in range(args.trials):
             # A fresh app per trial, the kill a little later each time: which sequences the victim holds,
             # and how far along they are, changes the stall more than anything else.
@@ -166,16 +170,23 @@ def main(argv=None) -> int:
             backend = RouterBackend(router, StreamHub.remote(), f"hub-figures-{trial}", request_timeout_s=300)
             print(f"steady load, killing a decode worker at {kill_at:.1f}s (trial {trial + 1}/{args.trials}) ...",
                   flush=True)
-            outs, gaps, gap_at, errors, victim, killed_at = asyncio.run(
+            outs, all_gaps, errors, victim, killed_at = asyncio.run(
                 steady_load_with_kill(backend, router, reqs, args.rate, kill_at, args.seed))
+            # The stall a client sees from the kill: its longest gap that ends after the kill. Gaps that
+            # ended before it are the steady load's own (a step with a prefill chunk, an admission).
+            after = [max(((g, at) for at, g in gs if at + g > killed_at), default=(0.0, 0.0)) for gs in all_gaps]
+            before = max((g for gs in all_gaps for at, g in gs if at + g <= killed_at), default=0.0)
+            gaps, gap_at = [g for g, _ in after], [at for _, at in after]
             stats = ray.get(router.stats.remote())
             lost = sum(1 for o, (_, m), e in zip(outs, reqs, errors) if e or len(o) != m)
             identical = sum(1 for o, w in zip(outs, want) if o == w)
             migrated = stats["counters"]["migrations"]
-            summary.append((killed_at, lost, identical, migrated, max(gaps)))
+            backups.append(stats["counters"]["kv_backups"])
+            summary.append((killed_at, lost, identical, migrated, max(gaps), before))
             print(f"\n== kill {victim} at t={killed_at:.1f}s under {args.rate} req/s, {len(reqs)} requests")
             print(f"requests lost: {lost} (target 0); outputs identical to the undisturbed run: {identical}/{len(reqs)}")
-            print(f"migrated sequences: {migrated}; longest client stall: {max(gaps):.2f}s; "
+            print(f"longest gap between two tokens before the kill (the steady load's own): {before:.2f}s")
+            print(f"migrated sequences: {migrated}; longest client stall from the kill: {max(gaps):.2f}s; "
                   f"re-prefill of the longest sequence ({longest} tokens, 1 thread): "
                   f"{reprefill_s:.2f}s -> target < {target:.2f}s: {'met' if max(gaps) < target else 'MISSED'}")
             for i, (o, (_, m), e, w) in enumerate(zip(outs, reqs, errors, want)):
@@ -191,7 +202,8 @@ def main(argv=None) -> int:
               f"{sum(x[2] for x in summary)}/{len(summary) * len(reqs)}; migrated "
               f"{', '.join(str(x[3]) for x in summary)}; longest stall "
               f"{', '.join(f'{x[4]:.2f}' for x in summary)} s (target < {target:.2f} s: met in "
-              f"{sum(x[4] < target for x in summary)}/{len(summary)})")
+              f"{sum(x[4] < target for x in summary)}/{len(summary)}); longest gap before the kill "
+              f"{', '.join(f'{x[5]:.2f}' for x in summary)} s; KV backups {', '.join(str(b) for b in backups)}")
         if args.no_burst:
             return 0
         print("\nprefill burst (fresh app: 1 prefill worker, may scale to 2) ...", flush=True)
