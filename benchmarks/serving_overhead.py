@@ -136,11 +136,11 @@ def router_counters() -> dict:
 
 
 def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, direct: bool = False,
-                  local_prefill_max_tokens: int = 512, decode_max_prefill_tokens: int | None = None) -> dict:
+                  local_prefill_max_tokens: int = 512, **settings) -> dict:
+    """`settings`: more ServeConfig fields (e.g. decode_max_prefill_tokens, kv_backup)."""
     app_args = {"num_prefill_workers": prefill, "num_decode_workers": 1, "threads_per_worker": threads,
-                "worker_num_cpus": 1 if prefill else 2, "local_prefill_max_tokens": local_prefill_max_tokens}
-    if decode_max_prefill_tokens is not None:
-        app_args["decode_max_prefill_tokens"] = decode_max_prefill_tokens
+                "worker_num_cpus": 1 if prefill else 2, "local_prefill_max_tokens": local_prefill_max_tokens,
+                **settings}
     with serve_app(app_args, num_cpus=2, direct=direct) as url:
         result = _bench(cfg, url, warmup)
         result["router_counters"] = router_counters()
@@ -167,7 +167,9 @@ def report(results: dict, threads: int = 1, other_cap: int | None = None) -> dic
              "disaggregated-pure": f"{disagg}, no local prefill, proxy",
              "disaggregated-pure-direct": f"{disagg}, no local prefill, direct ingress",
              "disaggregated-cap": f"{disagg}, decode prefill cap {other_cap}, proxy",
-             "disaggregated-cap-direct": f"{disagg}, decode prefill cap {other_cap}, direct ingress"}
+             "disaggregated-cap-direct": f"{disagg}, decode prefill cap {other_cap}, direct ingress",
+             "disaggregated-nobackup": f"{disagg}, no KV backup, proxy",
+             "disaggregated-nobackup-direct": f"{disagg}, no KV backup, direct ingress"}
     cols = ["setup", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms", "E2E p50 ms",
             "duration s"]
     table = Table(title="serving overhead (same workload, same 2 cores)", title_justify="left")
@@ -235,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                         "disaggregation row (0: every prompt through the prefill worker) runs too unless this is 0 "
                         "or --no-pure")
     p.add_argument("--no-pure", action="store_true", help="skip the pure disaggregation row")
+    p.add_argument("--no-backup-row", action="store_true",
+                   help="one more disaggregated row with kv_backup off (what copying local prefills costs)")
     p.add_argument("--other-decode-cap", type=int, default=None, metavar="N",
                    help="also run the disaggregated row with the decode worker's prompt tokens per step capped at "
                         "N (`decode_max_prefill_tokens`; the server's default runs in the main row)")
@@ -325,6 +329,8 @@ def _run_rows(args: argparse.Namespace) -> dict:
     # The variants run with the last ingress mode only.
     if args.other_decode_cap is not None:
         disaggregated("disaggregated-cap", modes[-1], decode_max_prefill_tokens=args.other_decode_cap)
+    if args.no_backup_row:
+        disaggregated("disaggregated-nobackup", modes[-1], kv_backup=False)
     if args.local_prefill_max_tokens and not args.no_pure:
         disaggregated("disaggregated-pure", modes[-1], local_prefill_max_tokens=0)
     return results

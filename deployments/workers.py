@@ -213,7 +213,8 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
             with self.lock:
                 self._forget(req.request_id)
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
-                                        prefill_only=True, arrival_time=_engine_arrival(req))
+                                        prefill_only=True, arrival_time=_engine_arrival(req),
+                                        urgent=req.attempt > 0)
                 self.requests[req.request_id] = req
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
@@ -345,15 +346,15 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
         full blocks from that one on to the prefill worker's prefix cache (`PrefillWorker.kv_backup`)."""
         with self.lock:
             self._aborted.discard(req.request_id)
-            if backup is not None:
-                self._backups[req.request_id] = backup
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
-                                        arrival_time=_engine_arrival(req))
+                                        arrival_time=_engine_arrival(req), urgent=req.attempt > 0)
             except ValueError as exc:
                 logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
                 return str(exc) or type(exc).__name__
             self.requests[req.request_id] = req
+            if backup is not None:
+                self._backups[req.request_id] = backup
         self._wake.set()
         return True
 

@@ -116,16 +116,19 @@ class LLMEngine:
         return torch.Generator().manual_seed(seed)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    priority: int = 0, prefill_only: bool = False, arrival_time: float | None = None) -> None:
+                    priority: int = 0, prefill_only: bool = False, arrival_time: float | None = None,
+                    urgent: bool = False) -> None:
         """Queue a request. `prefill_only`: stop after the first token and keep the KV blocks for
         export (disaggregated prefill); release them with `release_prefilled`. Within a priority,
         requests run in order of `arrival_time` (`time.monotonic()` clock; default now): a request
-        that arrived earlier elsewhere, e.g. one resumed after its worker died, goes ahead."""
+        that arrived earlier elsewhere, e.g. one resumed after its worker died, goes ahead.
+        `urgent`: a step that admits it admits no later new prompt that is not urgent too (a recompute
+        whose client is waiting gets a short step, not one filled up to the token budget)."""
         params = params if params is not None else SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         self._validate(request_id, prompt_ids, params)
         req = Request(request_id, prompt_ids, params, priority=priority, prefill_only=prefill_only,
-                      generator=self._new_generator(params))
+                      urgent=urgent, generator=self._new_generator(params))
         if arrival_time is not None:
             req.arrival_time = min(arrival_time, req.arrival_time)
         self._requests[request_id] = req

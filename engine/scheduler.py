@@ -186,13 +186,18 @@ class Scheduler:
                 prefill_budget -= num_new
             i += 1
 
-        # 2. Waiting requests, unless this step had to preempt (then memory is the bottleneck).
+        # 2. Waiting requests, unless this step had to preempt (then memory is the bottleneck). Once an
+        # urgent prompt is in, only urgent ones follow it.
         if out.preempted:
             return out
+        urgent = any(c.request.urgent and c.num_new_tokens > 1 for c in out.chunks)
         while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.config.max_num_seqs:
             if not self._admission_open():
                 break
             req = self.waiting[0]
+            if urgent and not req.urgent:
+                break
+            urgent = req.urgent
             hits = self._cached_prefix(req)
             num_computed = req.num_computed_tokens + len(hits) * bm.block_size
             num_new = req.num_tokens - num_computed

@@ -126,6 +126,25 @@ def test_pinned_blocks_copied_into_another_engines_prefix_cache(llm, tiny_model_
     assert other.block_manager.num_used_blocks == 0
 
 
+def test_urgent_prompt_gets_a_step_without_newer_prompts(llm):
+    """A recompute (`urgent`) admitted in a step stops that step from filling up with newer prompts;
+    they run in the next step, and greedy output does not change."""
+    eng = llm.engine
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    alone = llm.generate([list(range(30, 50))], params)[0].token_ids
+    eng.add_request("new1", list(range(60, 70)), params)
+    eng.add_request("new2", list(range(70, 80)), params)
+    eng.add_request("moved", list(range(30, 50)), params, arrival_time=0.0, urgent=True)  # arrived first
+    outs = eng.step()
+    assert [o.request_id for o in outs] == ["moved"] and eng.last_step.num_seqs == 1
+    outs = eng.step()
+    assert sorted(o.request_id for o in outs) == ["moved", "new1", "new2"]
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert done["moved"] == alone
+
+
 def test_seeded_sampling_reproducible_whatever_the_batch(llm):
     sp = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate([[9, 8, 7, 6]], sp)[0].token_ids
