@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -13,7 +12,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import EngineConfigError, InvalidRequestError, PromptTooLongError
+from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_loader import load_model_and_tokenizer
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, extend_block_keys

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import ray
 
-from deployments.app import NAMESPACE, ROUTER_NAME, get_or_create_router, shutdown_router
+from deployments.app import get_or_create_router, shutdown_router
 from deployments.config import ServeConfig
 from deployments.router_backend import RouterBackend
 from deployments.stream_hub import StreamHub

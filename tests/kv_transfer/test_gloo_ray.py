@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kv_transfer import EpochMismatchError, KVTransferError, LeaseExpiredError, PeerDiedError
+from kv_transfer import EpochMismatchError, LeaseExpiredError, PeerDiedError
 
 # Ray workers cannot import this test module: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
