@@ -313,6 +313,11 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
     def _unpin(self, lease_id: str) -> None:
         self.engine.free_blocks(self._pinned.pop(lease_id, []))
 
+    def _fail_all(self, message: str) -> None:
+        with self.lock:
+            self._backups.clear()  # their requests end here
+        _EngineWorker._fail_all(self, message)
+
     def admit(self, req: GenRequest, handle: KVHandle, prefill_actor: Any) -> bool:
         """Fetch the KV from `prefill_actor` and join the running batch. False (router re-prefills) on
         any transfer failure; blocks on both sides are already freed then."""
