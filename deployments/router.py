@@ -11,7 +11,10 @@ decode worker runs them whole (`DecodeWorker.resume`), chunked prefill mixed int
 It is off the per-token path: tokens go from workers to the ingress's StreamHub. It sees one
 `DecodeReport` per decode worker per step and fills freed capacity at once, which is continuous
 batching across the whole decode pool. It also scales each pool by its queue depth, drains workers
-before removing them, and moves the requests of a dead worker elsewhere. Workers are detached named
+before removing them, and moves the requests of a dead worker elsewhere. A prompt a decode worker
+computes itself (local prefill, moved sequence) it has copied to a prefill worker's prefix cache
+(`kv_backup`: `DecodeWorker.resume` -> `PrefillWorker.kv_backup` -> `on_kv_backup`), so that a move
+after that decode worker dies recomputes only the tokens generated since. Workers are detached named
 actors, so a restarted router adopts them and rebuilds its state from their snapshots.
 """
 

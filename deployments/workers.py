@@ -308,6 +308,7 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
         self._pinned: dict[str, list[int]] = {}
         self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s,
                                       free=self._unpin)
+        self._me = ray.get_runtime_context().current_actor  # the exporter a prefill worker pulls a copy from
         self._start()
 
     def _unpin(self, lease_id: str) -> None:
@@ -407,7 +408,7 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
         self._pinned[lease_id] = block_ids[first:]
         bs = self.engine.block_manager.block_size
         handle = self.kv_exporter.grant_blocks(lease_id, block_ids[first:], (len(block_ids) - first) * bs)
-        return actor, (handle, ray.get_runtime_context().current_actor, req.request_id,
+        return actor, (handle, self._me, req.request_id,
                        req.prompt_token_ids[:len(block_ids) * bs], first)
 
     def report(self) -> DecodeReport:

@@ -60,7 +60,7 @@ class FakeHub:
 
     def tokens(self, request_id):
         evs = [e for e in self.events if e.request_id == request_id]
-        return [t for e in sorted(evs, key=lambda e: e.offset) for t in e.token_ids], [e for e in evs]
+        return [t for e in sorted(evs, key=lambda e: e.offset) for t in e.token_ids], evs
 
 
 def _wait(fn, timeout_s=120.0):
