@@ -78,6 +78,10 @@ class ServeConfig:
     # transport into a prefill worker's prefix cache. If that decode worker dies, its sequence is then
     # recomputed from the end of its prompt, not from its first token. Needs prefix-aware routing.
     kv_backup: bool = True
+    # A dead decode worker's sequence may resume on another decode worker that pulls the prompt's KV
+    # from the prefill worker caching it (its prompt, or a KV backup), so only the tokens generated
+    # since are recomputed there, without waiting for the prefill worker's step under way.
+    kv_prefix_fetch: bool = True
     # Router: requests admitted but not yet decoding, beyond which new ones get 429.
     max_queued_requests: int = 256
     kv_lease_s: float = 60.0
@@ -152,6 +156,10 @@ class ServeConfig:
     @property
     def backs_up_kv(self) -> bool:
         return self.kv_backup and self.routes_by_prefix and not self.colocated
+
+    @property
+    def fetches_prefix(self) -> bool:
+        return self.kv_prefix_fetch and self.routes_by_prefix and not self.colocated
 
     @property
     def colocated(self) -> bool:

@@ -159,9 +159,12 @@ class KVImporter:
     importer may pull from many exporters, and run several pulls at once (serialized per channel)."""
 
     def __init__(self, worker_id: str, engine: LLMEngine, *, engine_lock: Any = None, timeout_s: float = 30.0,
-                 host: str | None = None):
+                 host: str | None = None, on_blocks: Callable[[Callable[[], Any]], Any] | None = None):
+        """`on_blocks(fn)` runs a block-manager call (allocating or freeing the receiving blocks); default:
+        under `engine_lock`. A worker passes one that may run it during its step's forward pass."""
         self.worker_id = worker_id
         self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
+        self._on_blocks = on_blocks or self._locked
         self.timeout_s = timeout_s
         self.transport = make_transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s)
         self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s)
@@ -169,13 +172,18 @@ class KVImporter:
         self._open_locks_lock = threading.Lock()
         self._pushes: list[tuple[ray.ObjectRef, str]] = []  # acked pushes whose return is not yet seen
 
-    def _allocate(self, num_tokens: int) -> list[int] | None:
+    def _locked(self, fn: Callable[[], Any]) -> Any:
         with self._lock:
-            return self._engine.allocate_blocks(num_tokens, contiguous=True)
+            return fn()
+
+    def _allocate(self, num_tokens: int) -> list[int] | None:
+        try:
+            return self._on_blocks(lambda: self._engine.allocate_blocks(num_tokens, contiguous=True))
+        except TimeoutError as e:
+            raise TransferTimeoutError(f"no KV blocks to receive into: {e}") from None
 
     def _free(self, block_ids: list[int]) -> None:
-        with self._lock:
-            self._engine.free_blocks(block_ids)
+        self._on_blocks(lambda: self._engine.free_blocks(block_ids))
 
     def connect(self, peer: str, exporter: ray.actor.ActorHandle, timeout_s: float | None = None) -> None:
         """Open the channel to exporter `peer` now, so that the first pull from it does not pay for the

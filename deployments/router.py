@@ -112,7 +112,7 @@ class Router:
                          "migrations": 0, "transfer_failures": 0, "admitted": 0, "worker_deaths": 0,
                          "scale_ups": 0, "scale_downs": 0, "adopted_requests": 0, "failed": 0, "rebalanced": 0,
                          "local_prefills": 0, "prefix_routed": 0, "prefix_routed_tokens": 0,
-                         "kv_backups": 0, "kv_backup_tokens": 0}
+                         "kv_backups": 0, "kv_backup_tokens": 0, "prefix_fetches": 0}
         self.scale = {"prefill": _ScaleState(), "decode": _ScaleState()}
         self._replacing = {"prefill": 0, "decode": 0}  # dead workers whose replacement is pending
         self.decisions: deque[dict] = deque(maxlen=100)
@@ -552,7 +552,10 @@ class Router:
         """Place a sequence of a dead decode worker where its next token comes soonest, by the prompt
         tokens each destination has to compute first:
         - a live decode worker recomputes it in its running batch (`_run_whole`): its queued prompt
-          tokens (moved sequences, local prefills) plus the whole sequence; no KV transfer;
+          tokens (moved sequences, local prefills) plus the whole sequence, less what it has cached;
+        - the same, but it first pulls the part of the sequence a prefill worker has in its prefix
+          cache (the prompt that worker prefilled, or a KV backup) and recomputes only the rest
+          (`kv_prefix_fetch`). The pull runs during both workers' steps, so it waits for neither;
         - a prefill worker, then KV transfer: the prompt tokens queued there that arrived before this
           request (a moved request keeps its arrival time, so it queues ahead of newer prompts), or
           at least the step under way, and those of the sequences moved there before it, plus the
@@ -566,55 +569,69 @@ class Router:
         and piled up on the surviving decode worker)."""
         n = len(t.req.prompt_token_ids)
         need = self._blocks_needed(n)
-        # (tokens computed before its next token, tie-break, destination, its own tokens to compute)
-        options: list[tuple[int, int, _Worker, int]] = []
+        # (tokens computed before its next token, tie-break, destination, its own tokens to compute,
+        #  the prefill worker the decode destination pulls the cached prefix from)
+        options: list[tuple[int, int, _Worker, int, _Worker | None]] = []
         hashes = self._hashes(t)
+        live_prefill = [p for p in self.prefill.values() if p.ready and not p.draining]
         w = self._pick_decode(need)
         if w is not None:
             cached = self._cached(w, hashes, n)
-            options.append((self._prefill_backlog(w) + n - cached, 0, w, n - cached))
+            backlog = self._prefill_backlog(w)  # moves placed there before this one included
+            options.append((backlog + n - cached, 0, w, n - cached, None))
+            if self.config.fetches_prefix and live_prefill:
+                # ... or pulls the part a prefill worker has cached first (`DecodeWorker.resume`)
+                fc, p = max(((self._cached(p, hashes, n), p) for p in live_prefill), key=lambda o: o[0])
+                if fc > cached:
+                    options.append((backlog + n - fc, 0, w, n - fc, p))
         bs = self.config.block_size
         older: dict[str, int] = {}  # prompt tokens queued on each prefill worker that arrived before t
         for o in self.tracked.values():
             if o.stage == "prefill" and o.req.arrival_time <= t.req.arrival_time and o.req.request_id not in moving.ids:
                 older[o.worker_id] = older.get(o.worker_id, 0) + o.queued_tokens
-        for p in self.prefill.values():
-            if p.ready and not p.draining:
-                cached = self._cached(p, hashes, n)
-                if not hashes and self.config.enable_prefix_caching and p.worker_id == t.prefill_worker_id:
-                    # Caching without the index (prefix_aware_routing off): its prefill worker still has it.
-                    cached = min(t.req.num_original_prompt_tokens // bs * bs, n - 1)
-                # The step under way (its oldest prompts, up to a step's budget) ends first, and moved
-                # sequences placed before this one (longer, maybe newer) also run first.
-                moved_here = moving.tokens.get(p.worker_id, 0)
-                running = min(p.queued_prompt_tokens - moved_here, self.config.max_num_batched_tokens)
-                before = max(older.get(p.worker_id, 0), running) + moved_here
-                options.append((before + n - cached, 1, p, n - cached))
+        for p in live_prefill:
+            cached = self._cached(p, hashes, n)
+            if not hashes and self.config.enable_prefix_caching and p.worker_id == t.prefill_worker_id:
+                # Caching without the index (prefix_aware_routing off): its prefill worker still has it.
+                cached = min(t.req.num_original_prompt_tokens // bs * bs, n - 1)
+            # The step under way (its oldest prompts, up to a step's budget) ends first, and moved
+            # sequences placed before this one (longer, maybe newer) also run first.
+            moved_here = moving.tokens.get(p.worker_id, 0)
+            running = min(p.queued_prompt_tokens - moved_here, self.config.max_num_batched_tokens)
+            before = max(older.get(p.worker_id, 0), running) + moved_here
+            options.append((before + n - cached, 1, p, n - cached, None))
         if not options:
             self._place_prefill(t.req.request_id, allow_local=False)  # waits for a worker
             return
-        cost, _, dest, own = min(options, key=lambda o: o[:2])
+        cost, _, dest, own, src = min(options, key=lambda o: o[:2])
         moving.tokens[dest.worker_id] = moving.tokens.get(dest.worker_id, 0) + own
         moving.ids.add(t.req.request_id)
         self.moves.append({"time": time.time(), "request_id": t.req.request_id, "to": dest.worker_id,
-                           "tokens": n, "recompute_tokens": own, "tokens_ahead": cost - own})
+                           "tokens": n, "recompute_tokens": own, "tokens_ahead": cost - own,
+                           "fetch_from": src.worker_id if src is not None else None})
         if dest.role == "decode":
-            self._run_whole(t, dest, need, n - own)
+            fetch = None
+            if src is not None:
+                self.counters["prefix_fetches"] += 1
+                fetch = (src.worker_id, src.actor, n - own)
+            self._run_whole(t, dest, need, n - own, fetch)
         else:
             self._send_to_prefill(t, dest, n - own)
 
-    def _run_whole(self, t: _Tracked, w: _Worker, need: int, cached: int = 0) -> None:
+    def _run_whole(self, t: _Tracked, w: _Worker, need: int, cached: int = 0,
+                   fetch: tuple[str, Any, int] | None = None) -> None:
         """Hand `t` to decode worker `w` to run from its prompt (colocated, a local prefill or a
-        migrated sequence)."""
+        migrated sequence); `fetch`: where it pulls the first `cached` tokens' KV from first."""
         w.reserved_blocks += need
         w.reserved_seqs += 1
-        w.reserved_prefill_tokens += len(t.req.prompt_token_ids)
+        own = len(t.req.prompt_token_ids) - cached  # what it computes, for its backlog until it reports
+        w.reserved_prefill_tokens += own
         t.stage, t.worker_id, t.prefill_worker_id = "admitting", w.worker_id, None
         self._computes(t, w, cached)
         if t.req.attempt == 0:
             self.counters["admitted"] += 1
-        ref = w.actor.resume.remote(t.req, self._backup_target(t) if self.config.backs_up_kv else None)
-        asyncio.get_event_loop().create_task(self._resumed(t, w, need, ref))
+        ref = w.actor.resume.remote(t.req, self._backup_target(t) if self.config.backs_up_kv else None, fetch)
+        asyncio.get_event_loop().create_task(self._resumed(t, w, need, own, ref))
 
     def _backup_target(self, t: _Tracked) -> tuple[str, Any, int] | None:
         """Where a decode worker about to compute `t`'s prompt copies it (`DecodeWorker.resume`): the
@@ -639,13 +656,13 @@ class Router:
         if t is not None and worker_id in self.prefill:
             self.prefix_index.record(worker_id, self._hashes(t)[:num_tokens // self.config.block_size])
 
-    async def _resumed(self, t: _Tracked, w: _Worker, need: int, ref) -> None:
-        try:
-            ok = await asyncio.wait_for(ref, 30)
+    async def _resumed(self, t: _Tracked, w: _Worker, need: int, own: int, ref) -> None:
+        try:  # a fetch of the cached prefix takes a lease call and a pull, each with this timeout
+            ok = await asyncio.wait_for(ref, self.config.kv_transfer_timeout_s * 2 + 5)
         except Exception as exc:  # noqa: BLE001 - it died too: the death watch moves it again
             logger.warning("run of %s on %s failed: %r", t.req.request_id, w.worker_id, exc)
             ok = None
-        self._unreserve(w, need, ok is True, len(t.req.prompt_token_ids))
+        self._unreserve(w, need, ok is True, own)
         if self.tracked.get(t.req.request_id) is not t or t.stage != "admitting" or t.worker_id != w.worker_id:
             return
         if ok is True:

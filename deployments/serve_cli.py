@@ -37,6 +37,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--no-kv-backup", action="store_true",
                    help="do not copy prompts that decode workers prefilled themselves to a prefill worker's cache "
                         "(the copy shortens the recompute when a decode worker dies)")
+    s.add_argument("--no-kv-prefix-fetch", action="store_true",
+                   help="a dead decode worker's sequence moving to another decode worker recomputes its whole "
+                        "prompt there instead of pulling the cached part from a prefill worker")
     s.add_argument("--max-queued-requests", type=int, default=256)
     s.add_argument("--cluster-resources", action="store_true",
                    help="pin workers to nodes with the `prefill` / `decode` custom resources (cluster.yaml)")
@@ -79,6 +82,7 @@ def _serve(args: argparse.Namespace) -> int:
         decode_max_prefill_tokens=args.decode_max_prefill_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens, enable_prefix_caching=not args.no_prefix_caching,
         prefix_aware_routing=not args.no_prefix_aware_routing, kv_backup=not args.no_kv_backup,
+        kv_prefix_fetch=not args.no_kv_prefix_fetch,
         max_queued_requests=args.max_queued_requests,
         api_key=args.api_key, http_host=args.host,
         http_port=args.port, direct_ingress=args.direct_ingress, ingress_max_replicas=args.ingress_max_replicas,

@@ -6,11 +6,13 @@ Tokens go straight to the ingress replica's StreamHub; the router gets one small
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
 import threading
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import ray
 import torch
@@ -25,6 +27,7 @@ from kv_transfer import KVHandle, KVTransferError
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.02
+T = TypeVar("T")
 
 
 def _engine_arrival(req: GenRequest) -> float | None:
@@ -45,10 +48,17 @@ class _EngineWorker:
         self.router = router
         self.engine = LLMEngine(config.engine_config(self.role))
         self.lock = threading.RLock()
+        # The forward pass of a step holds `lock` but touches no block-manager state: `_on_blocks`
+        # runs a block-manager call meanwhile instead of after the step (seconds on a CPU thread).
+        self._window = threading.Lock()
+        self._in_forward = False
+        # Blocks this worker holds a reference on for an export (`KVExporter.grant_blocks`), by lease.
+        self._pinned: dict[str, list[int]] = {}
+        self._lease_ids = itertools.count()
         # Decode workers pull prefilled prompts with it; prefill workers, copies of prompts a decode
         # worker prefilled itself (`PrefillWorker.kv_backup`).
         self.kv_importer = KVImporter(worker_id, self.engine, engine_lock=self.lock,
-                                      timeout_s=config.kv_transfer_timeout_s)
+                                      timeout_s=config.kv_transfer_timeout_s, on_blocks=self._on_blocks)
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._alive = True
@@ -59,6 +69,43 @@ class _EngineWorker:
     def _start(self) -> None:
         """Subclasses call this last in __init__, once everything the loop touches exists."""
         self._thread.start()
+
+    @contextlib.contextmanager
+    def _forward(self):
+        """Entered by the loop (holding `lock`) around a step's forward pass."""
+        with self._window:
+            self._in_forward = True
+        try:
+            yield
+        finally:
+            with self._window:
+                self._in_forward = False
+
+    def _on_blocks(self, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+        """Run `fn`, which may only call the engine's block-manager methods (allocate, free, take or
+        cache blocks; nothing about requests), under the engine lock, or during the forward pass of
+        the step that holds it. TimeoutError after `timeout_s`."""
+        timeout_s = timeout_s or self.config.kv_transfer_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.lock.acquire(timeout=0.005):
+                try:
+                    return fn()
+                finally:
+                    self.lock.release()
+            with self._window:
+                if self._in_forward:  # the loop holds the lock, inside the forward pass
+                    return fn()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.worker_id}: engine busy for {timeout_s}s")
+
+    def _free_lease(self, lease_id: str) -> None:
+        """`KVExporter`'s `free`: drop a lease's blocks (caller holds the lock)."""
+        blocks = self._pinned.pop(lease_id, None)
+        if blocks is not None:
+            self.engine.free_blocks(blocks)
+        else:
+            self.engine.release_prefilled(lease_id)
 
     # ------------------------------------------------------------------ actor API
     def info(self) -> dict:
@@ -132,7 +179,7 @@ class _EngineWorker:
             try:
                 with self.lock:
                     self._settle()
-                    outs = self.engine.step()
+                    outs = self.engine.step(forward=self._forward())
                     stats = self.engine.last_step
                     metrics.record_step(self.role, self.worker_id, stats, self.engine)
                 self.num_steps += 1
@@ -174,7 +221,8 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         _EngineWorker.__init__(self, worker_id, config, router)
-        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s)
+        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s,
+                                      free=self._free_lease)
         # Requests whose KV is leased out, kept so a restarted router can rebuild its queue.
         self.leased: dict[str, tuple[GenRequest, KVHandle]] = {}
         self._start()
@@ -208,6 +256,21 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
         self.router.on_kv_backup.remote(self.worker_id, request_id, len(token_ids), handle.num_tokens)
         return n
 
+    def kv_lease_prefix(self, request_id: str, token_ids: list[int], max_tokens: int) -> KVHandle | None:
+        """Lease the cached blocks of the longest cached prefix of `token_ids` (at most `max_tokens`
+        tokens) for a decode worker to pull: a moved sequence resumes there and recomputes only the
+        rest (`DecodeWorker.resume`). Does not wait for the step under way. None if nothing is cached."""
+        try:
+            block_ids = self._on_blocks(lambda: self.engine.take_cached_blocks(token_ids, max_tokens))
+        except TimeoutError:
+            return None
+        if not block_ids:
+            return None
+        lease_id = f"{request_id}@kv-prefix-{next(self._lease_ids)}"
+        self._pinned[lease_id] = block_ids
+        bs = self.engine.block_manager.block_size
+        return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs)
+
     def add(self, req: GenRequest) -> None:
         try:
             with self.lock:
@@ -235,6 +298,8 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
 
     def _settle(self) -> None:
         self.kv_exporter.free_released()
+        if self._pinned:  # a decode worker that leased a cached prefix may never pull it
+            self.kv_exporter.reap_expired()
 
     def release_queued(self, max_tokens: int) -> list[GenRequest]:
         """Give back the newest requests whose prefill has not started, up to `max_tokens` prompt
@@ -305,14 +370,12 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
         # KV backups: request id -> (prefill worker id, its actor, first block to copy), until the prompt
         # is computed; then the copied blocks, pinned by lease id until the prefill worker has them.
         self._backups: dict[str, tuple[str, Any, int]] = {}
-        self._pinned: dict[str, list[int]] = {}
         self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s,
-                                      free=self._unpin)
+                                      free=self._free_lease)
         self._me = ray.get_runtime_context().current_actor  # the exporter a prefill worker pulls a copy from
+        self.prefix_fetches = 0
+        self.prefix_fetch_tokens = 0
         self._start()
-
-    def _unpin(self, lease_id: str) -> None:
-        self.engine.free_blocks(self._pinned.pop(lease_id, []))
 
     def _fail_all(self, message: str) -> None:
         with self.lock:
@@ -340,7 +403,8 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
         self._wake.set()
         return True
 
-    def resume(self, req: GenRequest, backup: tuple[str, Any, int] | None = None) -> bool | str:
+    def resume(self, req: GenRequest, backup: tuple[str, Any, int] | None = None,
+               fetch: tuple[str, Any, int] | None = None) -> bool | str:
         """Run `req` whole here: prefill included, as chunks mixed into this worker's running batch.
 
         Two uses: colocated serving (no prefill pool), and taking over a sequence whose decode worker
@@ -349,9 +413,22 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
         engine's reason for refusing it (the router then fails it, or goes through prefill).
 
         `backup` = (prefill worker id, its actor, first block): once the prompt is computed, copy its
-        full blocks from that one on to the prefill worker's prefix cache (`PrefillWorker.kv_backup`)."""
+        full blocks from that one on to the prefill worker's prefix cache (`PrefillWorker.kv_backup`).
+
+        `fetch` = (prefill worker id, its actor, tokens): that prefill worker has about the first
+        `tokens` tokens of the prompt in its prefix cache (a moved sequence: its prompt, or a KV
+        backup). Pull them into this worker's prefix cache first, so only the rest is recomputed here.
+        It happens while both workers' steps run; if it fails, the whole prompt is computed here."""
+        rid = req.request_id
+        self._aborted.discard(rid)
+        fetched = self._fetch_prefix(req, *fetch) if fetch is not None else []
         with self.lock:
-            self._aborted.discard(req.request_id)
+            if fetched:
+                bs = self.engine.block_manager.block_size
+                self.engine.cache_blocks(req.prompt_token_ids[:len(fetched) * bs], fetched)
+            if rid in self._aborted:  # aborted while its prefix was on the way
+                self._aborted.discard(rid)
+                return True
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         arrival_time=_engine_arrival(req), urgent=req.attempt > 0)
@@ -363,6 +440,25 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
                 self._backups[req.request_id] = backup
         self._wake.set()
         return True
+
+    def _fetch_prefix(self, req: GenRequest, prefill_id: str, actor: Any, num_tokens: int) -> list[int]:
+        """Pull the cached prefix of `req`'s prompt from prefill worker `actor` into new blocks here;
+        their ids, or [] when it has none or the transfer failed (the prompt is then computed here)."""
+        timeout_s = self.config.kv_transfer_timeout_s
+        t0 = time.perf_counter()
+        try:
+            handle = ray.get(actor.kv_lease_prefix.remote(req.request_id, req.prompt_token_ids, num_tokens),
+                             timeout=timeout_s)
+            if handle is None:
+                return []
+            block_ids = self.kv_importer.pull(handle, actor)
+        except (KVTransferError, ray.exceptions.RayError) as exc:
+            logger.info("%s: prefix of %s not fetched from %s: %r", self.worker_id, req.request_id, prefill_id, exc)
+            return []
+        metrics.record_kv_pull(self.worker_id, handle.nbytes, time.perf_counter() - t0)
+        self.prefix_fetches += 1
+        self.prefix_fetch_tokens += handle.num_tokens
+        return block_ids
 
     def abort(self, request_id: str) -> bool:
         with self.lock:
@@ -377,7 +473,8 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
             return {"decoding": list(self.requests.values())}
 
     def kv_stats(self) -> dict:
-        return {**self.kv_importer.stats(), **self.kv_exporter.stats()}
+        return {**self.kv_importer.stats(), **self.kv_exporter.stats(), "prefix_fetches": self.prefix_fetches,
+                "prefix_fetch_tokens": self.prefix_fetch_tokens}
 
     def close(self) -> None:
         self.kv_importer.close()
@@ -404,7 +501,7 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
             self.engine.free_blocks(block_ids)
             return None
         self.engine.free_blocks(block_ids[:first])
-        lease_id = f"{req.request_id}@kv-backup-{self.num_steps}"
+        lease_id = f"{req.request_id}@kv-backup-{next(self._lease_ids)}"
         self._pinned[lease_id] = block_ids[first:]
         bs = self.engine.block_manager.block_size
         handle = self.kv_exporter.grant_blocks(lease_id, block_ids[first:], (len(block_ids) - first) * bs)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -175,6 +177,18 @@ class LLMEngine:
         self.block_manager.incref(block_ids)
         return block_ids
 
+    def take_cached_blocks(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        """A reference on each cached block of the longest cached prefix of `token_ids` (full blocks,
+        at most `max_tokens` tokens), so it can be exported (a decode worker fetching a prefix this
+        engine holds); `free_blocks` drops it. [] when nothing is cached."""
+        if not self.config.enable_prefix_caching:
+            return []
+        bs = self.block_manager.block_size
+        n = min(len(token_ids), len(token_ids) if max_tokens is None else max_tokens) // bs
+        block_ids = self.block_manager.lookup(extend_block_keys([], token_ids, n, bs)) if n else []
+        self.block_manager.take(block_ids)
+        return block_ids
+
     def cache_blocks(self, token_ids: list[int], block_ids: list[int], first_block: int = 0) -> int:
         """Imported KV into the prefix cache: `block_ids` (from `allocate_blocks`) hold the full blocks
         `first_block`, `first_block` + 1, ... of `token_ids`. Each is registered under its key (unless
@@ -227,14 +241,17 @@ class LLMEngine:
                 + sum(n for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1))
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
+    def step(self, forward: AbstractContextManager | None = None) -> list[RequestOutput]:
+        """One step. `forward`: entered around the model's forward pass only, which touches no request
+        and no block-manager state (a worker lets a narrow block-manager call run meanwhile)."""
         t0 = time.perf_counter()
         cached_before = self.scheduler.num_cached_tokens
         sched = self.scheduler.schedule()
         if sched.empty:
             self.last_step = StepStats()
             return []
-        logits = self.runner.run(sched)
+        with forward or contextlib.nullcontext():
+            logits = self.runner.run(sched)
         outputs = self._postprocess(sched, logits)
         self.last_step = StepStats(
             num_prefill_tokens=sum(c.num_new_tokens for c in sched.chunks if c.num_new_tokens > 1),

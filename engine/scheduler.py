@@ -158,7 +158,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = req.num_tokens - req.num_computed_tokens
-            limit = budget if num_new == 1 else min(budget, prefill_budget)  # a decode is one token
+            # A decode is one token; an urgent recompute's client is stalled: the token budget only.
+            limit = budget if num_new == 1 or req.urgent else min(budget, prefill_budget)
             if num_new > limit:
                 if not chunked or limit <= 0:
                     i += 1
@@ -191,17 +192,17 @@ class Scheduler:
         if out.preempted:
             return out
         urgent = any(c.request.urgent and c.num_new_tokens > 1 for c in out.chunks)
-        while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if not self._admission_open():
                 break
             req = self.waiting[0]
-            if urgent and not req.urgent:
+            if (urgent or prefill_budget <= 0) and not req.urgent:
                 break
             urgent = req.urgent
             hits = self._cached_prefix(req)
             num_computed = req.num_computed_tokens + len(hits) * bm.block_size
             num_new = req.num_tokens - num_computed
-            limit = min(budget, prefill_budget)
+            limit = budget if req.urgent else min(budget, prefill_budget)
             if num_new > limit:
                 if not chunked:
                     break

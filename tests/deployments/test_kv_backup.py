@@ -1,5 +1,7 @@
 """KV backup: a prompt a decode worker computed itself is copied into a prefill worker's prefix cache,
 so that the sequence, if its decode worker dies, is recomputed there from the end of its prompt.
+Prefix fetch: a moved sequence resumes on another decode worker, which pulls the prompt's cached KV
+from the prefill worker (without waiting for its step) and recomputes only the rest.
 
 Real worker actors on SmolLM2, a stand-in router and stream hub. The copy must be the right KV: a
 prefill of the prompt plus the tokens decoded so far (what the router sends after a death) finds the
@@ -76,7 +78,7 @@ def _wait(fn, timeout_s=120.0):
 @pytest.fixture(scope="module")
 def workers():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-backup-test")
-    cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=32, block_size=BS)
+    cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64, block_size=BS)
     router, hub = FakeRouter.remote(), FakeHub.remote()
     prefill = PrefillWorker.options(num_cpus=1).remote("p0", cfg, router)
     decode = DecodeWorker.options(num_cpus=1).remote("d0", cfg, router)
@@ -84,6 +86,17 @@ def workers():
     assert ray.get(prefill.connect_kv.remote("d0", decode), timeout=60)  # the backup channel, d0 -> p0
     yield router, hub, prefill, decode
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def survivor(workers):
+    """A second decode worker, with nothing in its cache: where a moved sequence resumes."""
+    router, _, prefill, _ = workers
+    cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, kv_cache_memory_mb=64, block_size=BS)
+    d1 = DecodeWorker.options(num_cpus=1).remote("d1", cfg, router)
+    ray.get(d1.info.remote(), timeout=300)
+    assert ray.get(d1.connect_kv.remote("p0", prefill), timeout=60)
+    return d1
 
 
 def _greedy(prompt, max_tokens):
@@ -129,3 +142,67 @@ def test_local_prefill_is_copied_to_the_prefill_cache(workers, first_block):
     for w in (prefill, decode):  # the decode worker's pinned copy is released once the prefill worker has it
         use = _wait(lambda: (u := ray.get(w.check_integrity.remote(), timeout=30))["num_used_blocks"] == 0 and u)
         assert use["num_requests"] == 0
+
+
+def test_moved_sequence_fetches_its_cached_prefix(workers, survivor):
+    """The prefill worker has a prompt cached (it prefilled it); the decode worker that took it died
+    after 6 tokens. The survivor pulls the cached prompt KV, recomputes only the 6 tokens, and goes
+    on with the undisturbed greedy run's tokens."""
+    router, hub, prefill, _ = workers
+    prompt = [300 + (11 * i) % 20000 for i in range(5 * BS + 3)]
+    want = _greedy(prompt, 12)
+    ray.get(prefill.add.remote(GenRequest("orig", prompt, SamplingParams(max_tokens=2), "hub", hub,
+                                          arrival_time=time.time())), timeout=30)
+    handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == "orig"])[0]
+    assert ray.get(prefill.kv_release.remote("orig", handle.epoch), timeout=30)  # now cached and free there
+
+    moved = GenRequest("fetched", prompt + want[:6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                       "hub", hub, offset=6, num_original_prompt_tokens=len(prompt), arrival_time=time.time(),
+                       attempt=1)
+    assert ray.get(survivor.resume.remote(moved, None, ("p0", prefill, 5 * BS)), timeout=60) is True
+    toks = _wait(lambda: (t := ray.get(hub.tokens.remote("fetched"))[0]) and len(t) == 6 and t)
+    assert toks == want[6:]
+    _, events = ray.get(hub.tokens.remote("fetched"))
+    assert events[0].num_cached_tokens == 5 * BS  # the prompt came over the wire, not recomputed
+    stats = ray.get(survivor.kv_stats.remote(), timeout=30)
+    assert stats["prefix_fetches"] == 1 and stats["prefix_fetch_tokens"] == 5 * BS
+
+    # Nothing cached there: the survivor computes the whole sequence itself.
+    other = [900 + (13 * i) % 20000 for i in range(3 * BS + 1)]
+    want2 = _greedy(other, 4)
+    moved2 = GenRequest("not-cached", other, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "hub",
+                        hub, num_original_prompt_tokens=len(other), arrival_time=time.time(), attempt=1)
+    assert ray.get(survivor.resume.remote(moved2, None, ("p0", prefill, 3 * BS)), timeout=60) is True
+    assert _wait(lambda: (t := ray.get(hub.tokens.remote("not-cached"))[0]) and len(t) == 4 and t) == want2
+    assert ray.get(survivor.kv_stats.remote(), timeout=30)["prefix_fetches"] == 1
+
+    for w in (prefill, survivor):  # the prefill worker's lease ended with the pull
+        use = _wait(lambda: (u := ray.get(w.check_integrity.remote(), timeout=30))["num_used_blocks"] == 0 and u)
+        assert use["num_requests"] == 0
+
+
+def test_prefix_lease_does_not_wait_for_the_step_under_way(workers):
+    """The prefill worker leases a cached prefix during the forward pass of a long prefill step, not
+    after it: the lease is back before that prefill's first token."""
+    router, hub, prefill, _ = workers
+    prompt = [500 + (17 * i) % 20000 for i in range(3 * BS + 2)]
+    ray.get(prefill.add.remote(GenRequest("short", prompt, SamplingParams(max_tokens=2), "hub", hub,
+                                          arrival_time=time.time())), timeout=30)
+    handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == "short"])[0]
+    assert ray.get(prefill.kv_release.remote("short", handle.epoch), timeout=30)
+
+    long_prompt = [700 + (19 * i) % 20000 for i in range(800)]  # one 800-token step: seconds on a CPU thread
+    ray.get(prefill.add.remote(GenRequest("long", long_prompt, SamplingParams(max_tokens=2), "hub", hub,
+                                          arrival_time=time.time())), timeout=30)
+    time.sleep(0.3)  # its step is under way
+    t0 = time.monotonic()
+    lease = ray.get(prefill.kv_lease_prefix.remote("short", prompt, 3 * BS), timeout=30)
+    took = time.monotonic() - t0
+    prefilled = [c[0] for c in ray.get(router.get.remote("on_prefilled"))]
+    assert lease is not None and lease.num_tokens == 3 * BS
+    assert "long" not in prefilled, f"the lease waited for the step ({took:.2f}s)"
+    assert ray.get(prefill.kv_release.remote(lease.request_id, lease.epoch), timeout=30)
+    handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == "long"])[0]
+    assert ray.get(prefill.kv_release.remote("long", handle.epoch), timeout=30)
+    use = _wait(lambda: (u := ray.get(prefill.check_integrity.remote(), timeout=30))["num_used_blocks"] == 0 and u)
+    assert use["num_requests"] == 0

@@ -24,8 +24,7 @@ class _Calls:
         return types.SimpleNamespace(remote=lambda *a: self._log.append((name, *a)))
 
 
-@pytest.fixture
-def router(monkeypatch):
+def _make_router(monkeypatch, **settings):
     async def no_start(self):
         return None
 
@@ -35,11 +34,11 @@ def router(monkeypatch):
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        r = router_mod.Router(ServeConfig(num_prefill_workers=1, num_decode_workers=1, prefix_aware_routing=False,
-                                          enable_prefix_caching=False))
+        r = router_mod.Router(ServeConfig(num_prefill_workers=1, num_decode_workers=1, **settings))
         for role in ("prefill", "decode"):
             w = router_mod._Worker(f"{role}-0", role, _Calls([]), info={"num_blocks": 10_000}, ready=True)
             r.pools[role][w.worker_id] = w
+            r.prefix_index.add_worker(w.worker_id, 10_000)
         yield r
         for task in r._tasks:
             task.cancel()
@@ -47,6 +46,11 @@ def router(monkeypatch):
     finally:
         loop.close()
         asyncio.set_event_loop(None)
+
+
+@pytest.fixture
+def router(monkeypatch):
+    yield from _make_router(monkeypatch, prefix_aware_routing=False, enable_prefix_caching=False)
 
 
 def _tracked(i: int, n: int) -> router_mod._Tracked:
@@ -60,7 +64,7 @@ def test_moved_sequences_split_evenly_between_an_idle_prefill_and_an_idle_decode
     # bookkeeping is what placement reads: the prompt tokens it has yet to compute).
     ran = []
 
-    def run_whole(t, w, need, cached=0):
+    def run_whole(t, w, need, cached=0, fetch=None):
         w.reserved_prefill_tokens += len(t.req.prompt_token_ids)
         t.stage, t.worker_id = "admitting", w.worker_id
         ran.append(t.req.request_id)
@@ -82,7 +86,7 @@ def test_moved_sequences_split_evenly_between_an_idle_prefill_and_an_idle_decode
 
 
 def test_moved_sequences_queue_behind_the_prefill_step_under_way(router, monkeypatch):
-    monkeypatch.setattr(router, "_run_whole", lambda t, w, need, cached=0: setattr(
+    monkeypatch.setattr(router, "_run_whole", lambda t, w, need, cached=0, fetch=None: setattr(
         w, "reserved_prefill_tokens", w.reserved_prefill_tokens + len(t.req.prompt_token_ids)))
     p = router.prefill["prefill-0"]
     newer = _tracked(99, 700)  # a new prompt (arrived after the moved ones) in the step under way
@@ -97,3 +101,35 @@ def test_moved_sequences_queue_behind_the_prefill_step_under_way(router, monkeyp
     # 600 + 300 = 900 < 1000 -> decode.
     assert [m["to"] for m in router.moves] == ["decode-0", "decode-0", "decode-0"]
     assert [m["tokens_ahead"] for m in router.moves] == [0, 300, 600]
+
+
+@pytest.fixture
+def prefix_router(monkeypatch, request):
+    yield from _make_router(monkeypatch, kv_prefix_fetch=request.param)
+
+
+@pytest.mark.parametrize("prefix_router", [True, False], indirect=True)
+def test_moved_sequence_fetches_the_prefix_a_busy_prefill_worker_caches(prefix_router, monkeypatch):
+    """The prefill worker that prefilled a sequence still caches its prompt, but is in the middle of a
+    700-token step. The survivor pulls the cached prompt and recomputes only the 4 generated tokens
+    and the last partial block (`kv_prefix_fetch`); without the fetch it recomputes all 300 tokens,
+    which is still sooner than the prefill worker's step plus the tail."""
+    router = prefix_router
+    ran = []
+    monkeypatch.setattr(router, "_run_whole", lambda t, w, need, cached=0, fetch=None: ran.append((cached, fetch)))
+    p = router.prefill["prefill-0"]
+    busy = _tracked(99, 700)
+    router.tracked[busy.req.request_id] = busy
+    router._send_to_prefill(busy, p)
+    t = _tracked(0, 300)
+    router.tracked[t.req.request_id] = t
+    router.prefix_index.record("prefill-0", router._hashes(t))  # it prefilled this prompt
+    router._place_moved(t, router_mod._Moves())
+    move = router.moves[-1]
+    assert move["to"] == "decode-0"
+    if router.config.kv_prefix_fetch:
+        assert ran == [(288, ("prefill-0", p.actor, 288))]  # 18 full blocks, the last token computed
+        assert (move["recompute_tokens"], move["fetch_from"]) == (12, "prefill-0")
+        assert router.counters["prefix_fetches"] == 1
+    else:
+        assert ran == [(0, None)] and move["recompute_tokens"] == 300

@@ -126,6 +126,63 @@ def test_pinned_blocks_copied_into_another_engines_prefix_cache(llm, tiny_model_
     assert other.block_manager.num_used_blocks == 0
 
 
+def test_take_cached_blocks_leases_the_cached_prefix(llm):
+    """What a prefill worker exports to a decode worker fetching a prefix: a reference on each cached
+    block of the longest cached prefix (revived from the free queue), none past `max_tokens`."""
+    eng = llm.engine
+    bm = eng.block_manager
+    prompt = list(range(130, 149))  # 4 full blocks of 4, and 3 tokens
+    llm.generate([prompt], SamplingParams(max_tokens=1))
+    assert bm.num_used_blocks == 0
+    assert eng.take_cached_blocks([1, 2, 3, 4, 5]) == []  # nothing cached
+    got = eng.take_cached_blocks(prompt + [7, 7, 7, 7], max_tokens=14)
+    assert len(got) == 3 and bm.num_used_blocks == 3  # 14 tokens: 3 full blocks, now in use
+    whole = eng.take_cached_blocks(prompt)
+    assert whole[:3] == got and len(whole) == 4 and bm.num_used_blocks == 4  # a second reference on 3
+    eng.free_blocks(got)
+    eng.free_blocks(whole)
+    assert bm.num_used_blocks == 0 and bm.num_cached_blocks >= 4  # still cached after the lease
+    eng.add_request("again", prompt, SamplingParams(max_tokens=1))
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+    assert outs[0].num_cached_tokens == 16
+
+
+def test_step_enters_forward_only_around_the_model(llm):
+    """A worker's `forward` context sees the step scheduled (blocks allocated) and not yet postprocessed."""
+    eng = llm.engine
+    seen = []
+
+    class Probe:
+        def __enter__(self):
+            seen.append((eng.block_manager.num_used_blocks, eng.scheduler.running[0].num_computed_tokens))
+
+        def __exit__(self, *exc):
+            return False
+
+    eng.add_request("p", list(range(40, 49)), SamplingParams(max_tokens=1))
+    outs = eng.step(forward=Probe())
+    assert seen == [(3, 0)] and outs[0].finished
+
+
+def test_urgent_recompute_is_not_held_to_the_prefill_cap(tiny_model_dir):
+    """`max_prefill_tokens_per_step` keeps a decode worker's batch streaming, but a recompute whose
+    client is stalled (urgent) runs whole within the token budget; new prompts still keep to the cap."""
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_model_len=200,
+                                 max_prefill_tokens_per_step=8))
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    eng.add_request("moved", list(range(30, 50)), params, urgent=True)
+    eng.step()
+    assert eng.last_step.num_prefill_tokens == 20
+    eng.add_request("new", list(range(60, 80)), params)
+    eng.step()
+    assert eng.last_step.num_prefill_tokens == 8
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_integrity()
+    assert eng.block_manager.num_used_blocks == 0
+
+
 def test_urgent_prompt_gets_a_step_without_newer_prompts(llm):
     """A recompute (`urgent`) admitted in a step stops that step from filling up with newer prompts;
     they run in the next step, and greedy output does not change."""

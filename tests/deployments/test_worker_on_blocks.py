@@ -1,0 +1,85 @@
+"""`_EngineWorker._on_blocks`: a block-manager call runs under the engine lock, or during the forward
+pass of the step holding it, and never while the lock is held for anything else."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from deployments.workers import _EngineWorker
+
+
+def _worker() -> _EngineWorker:
+    w = object.__new__(_EngineWorker)  # the locking part only: no engine, no actor
+    w.worker_id, w.config = "w", SimpleNamespace(kv_transfer_timeout_s=5.0)
+    w.lock, w._window, w._in_forward = threading.RLock(), threading.Lock(), False
+    return w
+
+
+def _hold(w: _EngineWorker, in_forward: bool, release: threading.Event, held: threading.Event) -> threading.Thread:
+    def run():
+        with w.lock:
+            if in_forward:
+                with w._forward():
+                    held.set()
+                    release.wait(10)
+            else:
+                held.set()
+                release.wait(10)
+    th = threading.Thread(target=run)
+    th.start()
+    held.wait(10)
+    return th
+
+
+def test_runs_at_once_during_the_forward_pass_of_a_step():
+    w = _worker()
+    release, held = threading.Event(), threading.Event()
+    th = _hold(w, True, release, held)
+    t0 = time.monotonic()
+    assert w._on_blocks(lambda: "taken", timeout_s=2.0) == "taken"
+    assert time.monotonic() - t0 < 1.0
+    assert th.is_alive()  # the step still holds the lock
+    release.set()
+    th.join()
+
+
+def test_waits_while_the_lock_is_held_outside_a_forward_pass():
+    w = _worker()
+    release, held = threading.Event(), threading.Event()
+    th = _hold(w, False, release, held)
+    with pytest.raises(TimeoutError):
+        w._on_blocks(lambda: "taken", timeout_s=0.2)
+    threading.Timer(0.2, release.set).start()
+    assert w._on_blocks(lambda: "taken", timeout_s=5.0) == "taken"  # once the lock is free
+    th.join()
+
+
+def test_the_step_leaves_its_forward_pass_only_after_a_call_in_it_returns():
+    w = _worker()
+    release, held, left = threading.Event(), threading.Event(), []
+
+    def step():
+        with w.lock:
+            with w._forward():
+                held.set()
+                release.wait(10)
+            left.append(time.monotonic())
+
+    th = threading.Thread(target=step)
+    th.start()
+    held.wait(10)
+    done = []
+
+    def slow():
+        release.set()  # the step wants to leave its forward pass now
+        time.sleep(0.2)
+        done.append(time.monotonic())
+        return True
+
+    assert w._on_blocks(slow, timeout_s=2.0)
+    th.join()
+    assert left[0] >= done[0] and not w._in_forward
