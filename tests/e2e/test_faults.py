@@ -169,7 +169,8 @@ def test_prefill_backlog_spills_onto_decode_workers(cluster, long_prompts):
 
 def test_moved_sequence_recomputes_from_its_prefill_workers_prefix_cache(cluster, engine):
     # One long request; its decode worker dies mid-stream. The prefill worker that prefilled it still
-    # caches its prompt's blocks, so the move goes there and only the generated tokens are recomputed.
+    # caches its prompt's blocks, so only the generated tokens are recomputed: on the surviving decode
+    # worker, which pulls the cached prompt from the prefill worker (kv_prefix_fetch), or there.
     router, hub = cluster
     ids = engine.apply_chat_template([{"role": "user", "content": "Tell me about a lighthouse keeper. " * 20}])
     engine.add_request("lighthouse", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
@@ -190,7 +191,7 @@ def test_moved_sequence_recomputes_from_its_prefill_workers_prefix_cache(cluster
                 await asyncio.sleep(0.05)
             stats = await router.stats.remote()
             victim = next(wid for wid, d in stats["decode"].items() if d["running"])
-            cached.append(_prefill_cached_tokens(router))
+            cached.append(_cached_tokens(router, but=victim))
             ray.kill((await router.workers.remote())[victim])
         return await _run_all(backend, [ids], killer)
 
@@ -198,14 +199,17 @@ def test_moved_sequence_recomputes_from_its_prefill_workers_prefix_cache(cluster
     assert got == [want]
     after = ray.get(router.stats.remote())["counters"]
     assert after["migrations"] == before["migrations"] + 1
-    assert _prefill_cached_tokens(router) - cached[0] == len(ids) // 16 * 16  # every full prompt block
+    assert _cached_tokens(router) - cached[0] == len(ids) // 16 * 16  # every full prompt block
+    move = ray.get(router.stats.remote())["moves"][-1]
+    assert "prefill" in move["to"] or "prefill" in (move["fetch_from"] or ""), move
     _wait_pools(router, 2, 2)
     _assert_clean(router)
 
 
-def _prefill_cached_tokens(router) -> int:
+def _cached_tokens(router, but: str = "") -> int:
+    """Prompt tokens the live workers' engines (but one) took from their prefix caches so far."""
     use = ray.get(router.check_integrity.remote(), timeout=30)
-    return sum(u["num_cached_tokens"] for wid, u in use.items() if "prefill" in wid)
+    return sum(u["num_cached_tokens"] for wid, u in use.items() if wid != but)
 
 
 def test_prefill_worker_dies_requests_retried(cluster, long_prompts):
