@@ -144,6 +144,9 @@ def main(argv=None) -> int:
     p.add_argument("--decode-max-prefill-tokens", type=int, default=ServeConfig().decode_max_prefill_tokens)
     p.add_argument("--no-kv-backup", action="store_true",
                    help="decode workers do not copy prompts they prefilled to the prefill pool (kv_backup off)")
+    p.add_argument("--no-kv-prefix-fetch", action="store_true",
+                   help="a sequence moved to a decode worker recomputes its whole prompt there instead of pulling "
+                        "the part a prefill worker caches (kv_prefix_fetch off)")
     p.add_argument("--no-burst", action="store_true", help="only the kills, not the prefill burst")
     p.add_argument("--burst-kv-cache-mb", type=int, default=128, help="KV pool per worker in the burst phase")
     args = p.parse_args(argv)
@@ -157,7 +160,8 @@ def main(argv=None) -> int:
         # a prefill scale-up that happens to start at the same time; phase 2 gets a fresh app that scales.
         cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, health_check_timeout_s=5.0,
                           kv_cache_memory_mb=args.kv_cache_mb, local_prefill_max_tokens=args.local_prefill_max_tokens,
-                          decode_max_prefill_tokens=args.decode_max_prefill_tokens, kv_backup=not args.no_kv_backup)
+                          decode_max_prefill_tokens=args.decode_max_prefill_tokens, kv_backup=not args.no_kv_backup,
+                          kv_prefix_fetch=not args.no_kv_prefix_fetch)
         target = reprefill_s + 1
         longest = max(len(p) + m for p, m in reqs)
         summary, backups = [], []
@@ -195,8 +199,9 @@ def main(argv=None) -> int:
                           f"from t={gap_at[i]:.1f}s, error={e}")
             print("  router decisions:", [(round(d['time'] - time.time(), 1), d['pool'], d['action'], d['reason'])
                                           for d in stats['decisions']])
-            print("  moves (to, tokens, recomputed there, prompt tokens queued ahead):",
-                  [(m["to"], m["tokens"], m["recompute_tokens"], m["tokens_ahead"]) for m in stats["moves"]])
+            print("  moves (to, tokens, recomputed there, prompt tokens queued ahead, cached prefix pulled from):",
+                  [(m["to"], m["tokens"], m["recompute_tokens"], m["tokens_ahead"], m.get("fetch_from"))
+                   for m in stats["moves"]])
             shutdown_router()
         print(f"\n== {len(summary)} kills: requests lost {sum(x[1] for x in summary)} (target 0); identical outputs "
               f"{sum(x[2] for x in summary)}/{len(summary) * len(reqs)}; migrated "

@@ -60,8 +60,9 @@ class ServeConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None
-    # With a prefill pool: prompt tokens a decode worker computes per step (recomputes of moved
-    # sequences, local prefills), so its running sequences keep streaming. None: max_num_batched_tokens.
+    # With a prefill pool: prompt tokens a decode worker computes per step (local prefills; an urgent
+    # recompute of a moved sequence is not held to it), so its running sequences keep streaming.
+    # None: max_num_batched_tokens.
     # NOTE: 128, not 256: on a CPU thread a 256-token chunk takes ~0.7 s, a gap every client of that
     # worker sees, and the gap a dead worker's clients had already waited before their sequences move.
     # Measured (fault_figures, 1P+2D on 2 cores): the longest stall after a kill met its target in 4 of

@@ -14,7 +14,10 @@ batching across the whole decode pool. It also scales each pool by its queue dep
 before removing them, and moves the requests of a dead worker elsewhere. A prompt a decode worker
 computes itself (local prefill, moved sequence) it has copied to a prefill worker's prefix cache
 (`kv_backup`: `DecodeWorker.resume` -> `PrefillWorker.kv_backup` -> `on_kv_backup`), so that a move
-after that decode worker dies recomputes only the tokens generated since. Workers are detached named
+after that decode worker dies recomputes only the tokens generated since: on that prefill worker, or
+on a surviving decode worker that pulls the cached prompt from it first (`kv_prefix_fetch`:
+`DecodeWorker.resume(fetch=...)` -> `PrefillWorker.kv_lease_prefix`, during that worker's step; see
+`_place_moved`). Workers are detached named
 actors, so a restarted router adopts them and rebuilds its state from their snapshots.
 """
 
@@ -749,8 +752,12 @@ class Router:
         # token waits for about the longest sequence, not for two long ones on one worker. Placed in
         # arrival order, two long sequences could land together (measured: a 1.99 s stall, against
         # 1.4-1.6 s when they did not).
+        # Streams that have started first: their clients are stalled mid-stream, and their recompute is
+        # urgent on its worker (`GenRequest.offset` > 0); one still waiting for its first token (e.g. a
+        # local prefill under way) only keeps its place in the queue by its arrival time.
         order = sorted(range(len(lost)), key=lambda i: (
             lost[i][0].req.priority,
+            not delivered[i],
             -(lost[i][0].req.num_original_prompt_tokens + len(delivered[i] or ())),
             lost[i][0].req.arrival_time or 0.0))
         moving = _Moves()

@@ -277,7 +277,7 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
                 self._forget(req.request_id)
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         prefill_only=True, arrival_time=_engine_arrival(req),
-                                        urgent=req.attempt > 0)
+                                        urgent=req.offset > 0)
                 self.requests[req.request_id] = req
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
@@ -431,7 +431,7 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
                 return True
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
-                                        arrival_time=_engine_arrival(req), urgent=req.attempt > 0)
+                                        arrival_time=_engine_arrival(req), urgent=req.offset > 0)
             except ValueError as exc:
                 logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
                 return str(exc) or type(exc).__name__
