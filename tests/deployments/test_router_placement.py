@@ -36,7 +36,8 @@ def _make_router(monkeypatch, **settings):
     try:
         r = router_mod.Router(ServeConfig(num_prefill_workers=1, num_decode_workers=1, **settings))
         for role in ("prefill", "decode"):
-            w = router_mod._Worker(f"{role}-0", role, _Calls([]), info={"num_blocks": 10_000}, ready=True)
+            w = router_mod._Worker(f"{role}-0", role, _Calls([]), info={"num_blocks": 10_000, "max_model_len": 8192},
+                                   ready=True)
             r.pools[role][w.worker_id] = w
             r.prefix_index.add_worker(w.worker_id, 10_000)
         yield r
@@ -133,3 +134,34 @@ def test_moved_sequence_fetches_the_prefix_a_busy_prefill_worker_caches(prefix_r
         assert router.counters["prefix_fetches"] == 1
     else:
         assert ran == [(0, None)] and move["recompute_tokens"] == 300
+
+
+def test_dead_workers_started_streams_are_placed_before_unstarted_requests(router, monkeypatch):
+    """A dead decode worker's streams that have started (clients stalled mid-stream) are placed first,
+    longest first; a request still waiting for its first token (a local prefill under way) comes last
+    however long it is, and its recompute is not urgent (offset 0)."""
+    d = router.decode["decode-0"]
+    delivered = {"short": [7] * 10, "unstarted": [], "long": [7] * 5}
+    sizes = {"short": 100, "unstarted": 300, "long": 150}
+    for i, (rid, n) in enumerate(sizes.items()):
+        req = GenRequest(rid, list(range(1, n + 1)), SamplingParams(max_tokens=50), "hub", None,
+                         num_original_prompt_tokens=n, arrival_time=float(i))
+        router.tracked[rid] = router_mod._Tracked(req, req.params, "decode", worker_id="decode-0")
+
+    async def fake_delivered(req):
+        return delivered[req.request_id]
+
+    async def no_replace(role, moved):
+        return None
+
+    monkeypatch.setattr(router, "_delivered", fake_delivered)
+    monkeypatch.setattr(router, "_replace", no_replace)
+    monkeypatch.setattr(router_mod.ray, "kill", lambda actor: None)
+    monkeypatch.setattr(router, "_run_whole", lambda t, w, need, cached=0, fetch=None: None)
+    spare = router_mod._Worker("decode-1", "decode", _Calls([]), info={"num_blocks": 10_000, "max_model_len": 8192},
+                               ready=True)
+    router.decode["decode-1"] = spare
+    asyncio.get_event_loop().run_until_complete(router._on_worker_dead(d, "killed"))
+    assert [m["request_id"] for m in router.moves] == ["long", "short", "unstarted"]
+    offsets = {rid: router.tracked[rid].req.offset for rid in sizes}
+    assert offsets == {"short": 10, "unstarted": 0, "long": 5}
