@@ -1,0 +1,64 @@
+"""A request that makes no progress within `request_timeout_s` ends with a clear error, not a hang,
+and the router is told to drop it. A stand-in router accepts the request and never serves it; the
+stream hub and `RouterBackend` are the real ones."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+import ray
+
+from deployments.router_backend import RouterBackend
+from deployments.stream_hub import StreamHub
+from engine import SamplingParams
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@ray.remote(num_cpus=0)
+class StuckRouter:
+    """Admits every request, then nothing happens to it (every worker is wedged)."""
+
+    def __init__(self):
+        self.submitted, self.aborted = [], []
+
+    def submit(self, req):
+        self.submitted.append(req.request_id)
+        return {"ok": True}
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def calls(self):
+        return self.submitted, self.aborted
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, namespace="pdserve-deadline-test")
+    yield
+    ray.shutdown()
+
+
+def test_request_without_progress_ends_with_an_error(cluster):
+    router, hub = StuckRouter.remote(), StreamHub.remote()
+    backend = RouterBackend(router, hub, "hub-deadline", request_timeout_s=1.5)
+
+    async def go():
+        return [d async for d in backend.generate("stuck", [1, 2, 3], SamplingParams(max_tokens=4))]
+
+    t0 = time.monotonic()
+    deltas = asyncio.run(go())
+    took = time.monotonic() - t0
+    assert len(deltas) == 1 and deltas[0].finished and deltas[0].finish_reason == "error"
+    assert "no progress" in deltas[0].error and "request_timeout_s" in deltas[0].error
+    assert 1.5 <= took < 10.0
+    submitted, aborted = ray.get(router.calls.remote(), timeout=30)
+    deadline = time.monotonic() + 10
+    while not aborted and time.monotonic() < deadline:  # the abort is fire-and-forget
+        time.sleep(0.1)
+        submitted, aborted = ray.get(router.calls.remote(), timeout=30)
+    assert submitted == ["stuck"] and aborted == ["stuck"]
