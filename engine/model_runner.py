@@ -204,7 +204,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Returns fp32 logits [num_sampling_chunks, vocab], in the order of `sched.chunks`."""
+        """Returns fp32 logits [num_sampling_chunks, vocab], in the order of `sched.chunks`.
+
+        NOTE: reads the scheduled requests and the KV cache only; it must never call the block manager
+        (a worker runs block-manager calls from other threads while this runs: `LLMEngine.step`)."""
         ids, pos, meta, sample_rows = self._prepare(sched)
         num_tokens = ids.shape[0]
         h = self.embed_tokens(ids)
