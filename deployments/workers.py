@@ -1,6 +1,7 @@
 """Prefill and decode worker actors. Each owns one `LLMEngine` stepped by one background thread.
 
-Actor methods run on Ray's thread pool (max_concurrency) and touch the engine only under `self.lock`.
+Actor methods run on Ray's thread pool (max_concurrency) and touch the engine only under `self.lock`,
+except block-manager calls, which may also run during a step's forward pass (`_on_blocks`).
 Tokens go straight to the ingress replica's StreamHub; the router gets one small message per step.
 """
 
@@ -40,6 +41,7 @@ def _engine_arrival(req: GenRequest) -> float | None:
 
 class _EngineWorker:
     role = "worker"
+    kv_exporter: KVExporter  # each subclass makes one: both kinds of worker export KV
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         torch.set_num_threads(config.threads_per_worker)
@@ -163,7 +165,18 @@ class _EngineWorker:
         pass
 
     def _settle(self) -> None:
-        """Deferred bookkeeping the engine must see before it is stepped or checked (caller holds the lock)."""
+        """Deferred bookkeeping the engine must see before it is stepped or checked (caller holds the
+        lock): free the blocks of leases that ended, and reap expired ones while this worker holds
+        pinned blocks (a peer that leased them may never pull them)."""
+        self.kv_exporter.free_released()
+        if self._pinned:
+            self.kv_exporter.reap_expired()
+
+    def _grant_pinned(self, lease_id: str, block_ids: list[int]) -> KVHandle:
+        """Lease full blocks this worker holds a reference on; `_free_lease` drops it when the lease ends."""
+        self._pinned[lease_id] = block_ids
+        bs = self.engine.block_manager.block_size
+        return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs)
 
     def _loop(self) -> None:
         while self._alive:
@@ -266,10 +279,7 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
             return None
         if not block_ids:
             return None
-        lease_id = f"{request_id}@kv-prefix-{next(self._lease_ids)}"
-        self._pinned[lease_id] = block_ids
-        bs = self.engine.block_manager.block_size
-        return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs)
+        return self._grant_pinned(f"{request_id}@kv-prefix-{next(self._lease_ids)}", block_ids)
 
     def add(self, req: GenRequest) -> None:
         try:
@@ -295,11 +305,6 @@ class PrefillWorker(KVExportMixin, _EngineWorker):
         if request_id in self.requests:
             self.requests.pop(request_id)
             self.engine.abort(request_id)
-
-    def _settle(self) -> None:
-        self.kv_exporter.free_released()
-        if self._pinned:  # a decode worker that leased a cached prefix may never pull it
-            self.kv_exporter.reap_expired()
 
     def release_queued(self, max_tokens: int) -> list[GenRequest]:
         """Give back the newest requests whose prefill has not started, up to `max_tokens` prompt
@@ -481,11 +486,6 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
         self.kv_exporter.close()
         self.shutdown()
 
-    def _settle(self) -> None:
-        self.kv_exporter.free_released()
-        if self._pinned:
-            self.kv_exporter.reap_expired()
-
     def _idle(self) -> None:
         with self.lock:
             self._settle()
@@ -496,17 +496,12 @@ class DecodeWorker(KVExportMixin, _EngineWorker):
         prefill_id, actor, first = self._backups.pop(req.request_id)
         if out.finished:
             return None
-        block_ids = self.engine.pin_computed_blocks(req.request_id, len(req.prompt_token_ids))
-        if len(block_ids) <= first:
-            self.engine.free_blocks(block_ids)
+        block_ids = self.engine.pin_computed_blocks(req.request_id, len(req.prompt_token_ids), first)
+        if not block_ids:
             return None
-        self.engine.free_blocks(block_ids[:first])
-        lease_id = f"{req.request_id}@kv-backup-{next(self._lease_ids)}"
-        self._pinned[lease_id] = block_ids[first:]
-        bs = self.engine.block_manager.block_size
-        handle = self.kv_exporter.grant_blocks(lease_id, block_ids[first:], (len(block_ids) - first) * bs)
-        return actor, (handle, self._me, req.request_id,
-                       req.prompt_token_ids[:len(block_ids) * bs], first)
+        handle = self._grant_pinned(f"{req.request_id}@kv-backup-{next(self._lease_ids)}", block_ids)
+        end = (first + len(block_ids)) * self.engine.block_manager.block_size
+        return actor, (handle, self._me, req.request_id, req.prompt_token_ids[:end], first)
 
     def report(self) -> DecodeReport:
         with self.lock:

@@ -6,7 +6,6 @@ import contextlib
 import itertools
 import logging
 import time
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -165,15 +164,15 @@ class LLMEngine:
     def free_blocks(self, block_ids: list[int]) -> None:
         self.block_manager.free(block_ids)
 
-    def pin_computed_blocks(self, request_id: str, max_tokens: int) -> list[int]:
+    def pin_computed_blocks(self, request_id: str, max_tokens: int, first_block: int = 0) -> list[int]:
         """A reference on each full block of `request_id`'s first `max_tokens` tokens whose KV is
-        computed, so it survives the request (to export a copy); `free_blocks` drops it. [] if the
-        request is not running here."""
+        computed, from block `first_block` on, so it survives the request (to export a copy);
+        `free_blocks` drops it. [] if there is none or the request is not running here."""
         req = self._requests.get(request_id)
         if req is None or req.status is not RequestStatus.RUNNING:
             return []
         n = min(max_tokens, req.num_computed_tokens) // self.block_manager.block_size
-        block_ids = list(req.block_table[:n])
+        block_ids = list(req.block_table[first_block:n])
         self.block_manager.incref(block_ids)
         return block_ids
 
@@ -184,7 +183,7 @@ class LLMEngine:
         if not self.config.enable_prefix_caching:
             return []
         bs = self.block_manager.block_size
-        n = min(len(token_ids), len(token_ids) if max_tokens is None else max_tokens) // bs
+        n = len(token_ids[:max_tokens]) // bs
         block_ids = self.block_manager.lookup(extend_block_keys([], token_ids, n, bs)) if n else []
         self.block_manager.take(block_ids)
         return block_ids
@@ -241,7 +240,7 @@ class LLMEngine:
                 + sum(n for r in s.running if (n := r.num_tokens - r.num_computed_tokens) > 1))
 
     @torch.inference_mode()
-    def step(self, forward: AbstractContextManager | None = None) -> list[RequestOutput]:
+    def step(self, forward: contextlib.AbstractContextManager | None = None) -> list[RequestOutput]:
         """One step. `forward`: entered around the model's forward pass only, which touches no request
         and no block-manager state (a worker lets a narrow block-manager call run meanwhile)."""
         t0 = time.perf_counter()

@@ -50,8 +50,8 @@ class Request:
     params: SamplingParams
     priority: int = 0  # lower runs first
     prefill_only: bool = False
-    # A recompute a client is already waiting on (its worker died, its KV transfer failed): a step
-    # that admits it admits no other new prompt after it, so that it ends as soon as it can.
+    # The recompute of a stream whose client is stalled mid-stream (its worker died): a step that
+    # admits it admits no other new prompt after it, and no per-step prefill cap holds it back.
     urgent: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
