@@ -1,10 +1,15 @@
 """CPU kernels of our own, compiled on first use with the system C compiler and loaded with ctypes.
 
-Today one: decode attention read straight from the paged KV cache (`csrc/paged_decode_cpu.c`). It is
-built for the machine it runs on (`-march=native`), cached under `~/.cache/pdserve/kernels` (or
-`$PDSERVE_CACHE_DIR/kernels`) keyed by the source, the compiler, and the CPU's flags, and linked to
-the OpenMP runtime torch already loaded, so both share one thread pool. Without a compiler, or with
-`PDSERVE_CPU_KERNELS=0`, the engine keeps its pure-torch path (gather + SDPA): same results, slower.
+Two sources, one library:
+  * `csrc/paged_decode_cpu.c`: decode attention read straight from the paged KV cache;
+  * `csrc/decode_ops_cpu.c`: the small per-token ops of a layer, fused (rotary embedding + KV-cache
+    write, residual add + RMSNorm, SiLU x up), built with `-ffp-contract=off` so the elementwise
+    ones round exactly as torch's do.
+The library is built for the machine it runs on (`-march=native`), cached under
+`~/.cache/pdserve/kernels` (or `$PDSERVE_CACHE_DIR/kernels`) keyed by the sources, the compiler, and
+the CPU's flags, and linked to the OpenMP runtime torch already loaded, so both share one thread pool.
+Without a compiler, or with `PDSERVE_CPU_KERNELS=0`, the engine keeps its pure-torch path (gather +
+SDPA, torch ops): same results up to rounding, slower.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("csrc") / "paged_decode_cpu.c"
+_CSRC = Path(__file__).with_name("csrc")
+# (source, extra compiler flags). gnu11 allows fused multiply-adds; the fused ops turn them off.
+_SOURCES = ((_CSRC / "paged_decode_cpu.c", ()), (_CSRC / "decode_ops_cpu.c", ("-ffp-contract=off",)))
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -47,20 +54,25 @@ def _build(cc: str) -> Path:
     torch_lib = Path(torch.__file__).parent / "lib"
     gomp = next(iter(sorted(torch_lib.glob("libgomp*.so*"))), None)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([_SRC.read_text(), version, _cpu_flags(), str(gomp)]).encode()).hexdigest()[:16]
+    parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES]
+    key = hashlib.sha256("\0".join([*parts, version, _cpu_flags(), str(gomp)]).encode()).hexdigest()[:16]
     root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(Path.home(), ".cache", "pdserve")
     out = Path(root) / "kernels" / f"paged_decode_cpu-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        obj, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]  # gnu: fused multiply-adds
-        subprocess.run([cc, *flags, "-c", str(_SRC), "-o", str(obj)], check=True, capture_output=True, timeout=120)
+        so = Path(tmp) / "k.so"
+        flags = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=gnu11"]
+        objs = []
+        for i, (src, extra) in enumerate(_SOURCES):
+            objs.append(str(Path(tmp) / f"k{i}.o"))
+            subprocess.run([cc, *flags, *extra, "-c", str(src), "-o", objs[-1]], check=True, capture_output=True,
+                           timeout=120)
         # Link to torch's own libgomp when it ships one: the soname matches the copy already loaded in
         # this process, so there is one OpenMP runtime, not two thread pools spinning against each other.
         link = [f"-L{gomp.parent}", f"-l:{gomp.name}", f"-Wl,-rpath,{gomp.parent}"] if gomp else ["-fopenmp"]
-        subprocess.run([cc, "-shared", str(obj), "-o", str(so), *link, "-lm"], check=True, capture_output=True,
+        subprocess.run([cc, "-shared", *objs, "-o", str(so), *link, "-lm"], check=True, capture_output=True,
                        timeout=120)
         os.replace(so, out)  # atomic: a concurrent builder (another worker) sees a whole file or none
     return out
@@ -90,6 +102,13 @@ def _load() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                        ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        lib.pdserve_rope_store.restype = None
+        lib.pdserve_rope_store.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32]
+        lib.pdserve_add_rmsnorm.restype = None
+        lib.pdserve_add_rmsnorm.argtypes = [p, p, p, f32, p, i32, i32, i32]
+        lib.pdserve_silu_mul.restype = None
+        lib.pdserve_silu_mul.argtypes = [p, p, i32, i32, i32]
         _lib = lib
         return lib
 
@@ -118,3 +137,54 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_ca
                                   kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch")
+
+
+def fused_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the fused per-token ops (`rope_store`, `add_rmsnorm`, `silu_mul`) run on `device`/`dtype`."""
+    return device.type == "cpu" and dtype == torch.float32 and _load() is not None
+
+
+def rope_store(qkv: torch.Tensor, q_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, heads: int) -> None:
+    """Rotary embedding and KV-cache write for one layer, in one pass.
+
+    qkv: [T, (heads + 2 kv_heads) * head_dim] contiguous, the fused q/k/v projection; its k part is
+    rotated in place. q_out: [T, heads, head_dim] contiguous, receives the rotated queries. cos, sin:
+    [T, head_dim] contiguous. k_cache, v_cache: one layer's views of the cache (as `paged_decode`).
+    slot_blocks, slot_offsets: [T] int64, where each token's K/V row goes."""
+    lib = _load()
+    assert lib is not None, "rope_store called without fused_ops_available()"
+    _, block_size, kv_heads, head_dim = k_cache.shape
+    T = qkv.shape[0]
+    assert qkv.is_contiguous() and q_out.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    assert qkv.shape[1] == (heads + 2 * kv_heads) * head_dim and cos.shape == (T, head_dim) and head_dim <= 512
+    assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and k_cache.stride() == v_cache.stride()
+    assert slot_blocks.dtype == torch.int64 and slot_offsets.dtype == torch.int64
+    assert slot_blocks.is_contiguous() and slot_offsets.is_contiguous() and slot_blocks.numel() == T
+    lib.pdserve_rope_store(qkv.data_ptr(), q_out.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                           v_cache.data_ptr(), k_cache.stride(0), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
+                           T, heads, kv_heads, head_dim, torch.get_num_threads())
+
+
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm of `x` ([T, n] contiguous fp32), after `x += delta` in place when `delta` is given."""
+    lib = _load()
+    assert lib is not None, "add_rmsnorm called without fused_ops_available()"
+    assert x.is_contiguous() and weight.is_contiguous() and x.dtype == torch.float32 and x.shape[1] == weight.numel()
+    if delta is not None:
+        assert delta.is_contiguous() and delta.shape == x.shape
+    y = torch.empty_like(x)
+    lib.pdserve_add_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), float(eps),
+                            y.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up` = [T, 2n] contiguous fp32 (gate, then up); returns [T, n]."""
+    lib = _load()
+    assert lib is not None, "silu_mul called without fused_ops_available()"
+    assert gate_up.is_contiguous() and gate_up.dtype == torch.float32 and gate_up.shape[1] % 2 == 0
+    T, n = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
+    lib.pdserve_silu_mul(gate_up.data_ptr(), y.data_ptr(), T, n, torch.get_num_threads())
+    return y

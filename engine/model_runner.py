@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from engine.attention import (AttentionMetadata, KVWorkspace, PrefillSeq, decode_buckets, paged_attention,
                               paged_decode_meta, write_kv)
-from engine.cpu_kernels import paged_decode_available
+from engine import cpu_kernels
+from engine.cpu_kernels import fused_ops_available, paged_decode_available
 from engine.scheduler import SchedulerOutput
 
 
@@ -61,6 +62,11 @@ class Linear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+# transformers' RMSNorm classes that compute exactly `w * (x * rsqrt(mean(x^2) + eps))` (what
+# `cpu_kernels.add_rmsnorm` computes); any other norm keeps its own module.
+_PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -97,7 +103,14 @@ class ModelRunner:
         # Decode attention through the compiled CPU kernel (one read of the cache, no gather) when it
         # builds here; otherwise the gather + SDPA path. Tests switch it to compare the two.
         self.paged_decode = paged_decode_available(self.device, self.dtype)
+        # The fused per-token ops (rotary + KV write, residual add + RMSNorm, SiLU x up) where they
+        # build and the model's modules are the plain ones they replace. Tests switch it off to compare.
+        self.fused_ops = fused_ops_available(self.device, self.dtype)
+        norms = [n for l in self.layers for n in (l.input_layernorm, l.post_attention_layernorm)] + [self.norm]
+        self._fuse_norm = all(type(n).__name__ in _PLAIN_RMSNORMS and hasattr(n, "variance_epsilon") for n in norms)
+        self._fuse_rope = not any(hasattr(l.self_attn, "q_norm") for l in self.layers)  # Qwen3 norms q/k first
         self._fuse_projections()
+        self._fuse_silu = getattr(cfg, "hidden_act", None) == "silu" and all(gu is not None for gu in self._gate_up)
         self._build_linears(can_prepack(self.device, self.dtype))
 
     @torch.no_grad()
@@ -143,8 +156,19 @@ class ModelRunner:
         gate_up = self._lin_gate_up[li]
         if gate_up is None:
             return layer.mlp(x)
+        if self.fused_ops and self._fuse_silu:
+            return self._lin_down[li](cpu_kernels.silu_mul(gate_up(x)))
         gate, up = gate_up(x).chunk(2, dim=-1)
         return self._lin_down[li](layer.mlp.act_fn(gate) * up)
+
+    def _add_norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding `delta` (a layer's output; None: nothing to add), and its
+        norm. The fused path adds in place: `h` is the runner's own activation, never a caller's."""
+        if self.fused_ops and self._fuse_norm:
+            return h, cpu_kernels.add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon)
+        if delta is not None:
+            h = h + delta
+        return h, norm(h)
 
     @staticmethod
     def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
@@ -212,28 +236,36 @@ class ModelRunner:
         num_tokens = ids.shape[0]
         h = self.embed_tokens(ids)
         cos, sin = self.rotary_emb(h.unsqueeze(0), pos.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+        fuse_rope = self.fused_ops and self._fuse_rope and cos.shape[-1] == self.head_dim
+        cos2, sin2 = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+        cos, sin = cos2.unsqueeze(1), sin2.unsqueeze(1)  # [T, 1, head_dim]
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        delta = None  # the last sublayer's output, not yet added to the residual stream `h`
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            residual = h
-            x = layer.input_layernorm(h)
+            h, x = self._add_norm(layer.input_layernorm, h, delta)
             qkv = self._lin_qkv[li](x)
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q = qkv[:, :nq].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, nq:nq + nkv].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            v = qkv[:, nq + nkv:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q = attn.q_norm(q)
-                k = attn.k_norm(k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = self.kv_cache[:, li, 0], self.kv_cache[:, li, 1]
-            write_kv(k_cache, v_cache, k, v, meta)
+            if fuse_rope:
+                q = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+                cpu_kernels.rope_store(qkv, q, cos2, sin2, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets,
+                                       self.num_heads)
+                k = qkv[:, nq:nq + nkv].view(num_tokens, self.num_kv_heads, self.head_dim)
+                v = qkv[:, nq + nkv:].view(num_tokens, self.num_kv_heads, self.head_dim)
+            else:
+                q = qkv[:, :nq].view(num_tokens, self.num_heads, self.head_dim)
+                k = qkv[:, nq:nq + nkv].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+                v = qkv[:, nq + nkv:].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+                if hasattr(attn, "q_norm"):  # Qwen3
+                    q = attn.q_norm(q)
+                    k = attn.k_norm(k)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
+                write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
-            h = residual + self._lin_o[li](o.reshape(num_tokens, -1))
-            residual = h
-            h = residual + self._mlp(li, layer, layer.post_attention_layernorm(h))
+            h, x = self._add_norm(layer.post_attention_layernorm, h, self._lin_o[li](o.reshape(num_tokens, -1)))
+            delta = self._mlp(li, layer, x)
         if sample_rows.numel() == 0:
             return torch.empty(0, self.config.vocab_size, device=self.device)
-        h = self.norm(h[sample_rows])
+        _, h = self._add_norm(self.norm, h[sample_rows], delta[sample_rows])
         return self._lin_head(h).float()
