@@ -21,8 +21,8 @@ prepacked weight, whichever is faster; model-shaped and one large
 square shape) divided by 2 x params per token (non-embedding params + the lm_head; a tied embedding
 counts once, as the lm_head). A "decode-only batch sweep" then measures steady decode at fixed batch
 sizes and ~`--sweep-context` tokens of context, next to the time the same step spends in its linear
-layers alone, which separates GEMM efficiency at small batch from per-step overhead (attention,
-metadata, Python).
+layers alone and its decode attention alone, which separates GEMM efficiency at small batch from the
+KV-cache read and the rest of the per-step overhead (norms, rope, metadata, sampling, Python).
 """
 
 from __future__ import annotations
@@ -257,6 +257,35 @@ def linear_only_step_s(runner, batch: int, reps: int = 5) -> float:
     return best
 
 
+@torch.inference_mode()
+def attention_only_step_s(engine: LLMEngine, reps: int = 3) -> float | None:
+    """Seconds the decode attention of one step over the running sequences takes alone (every layer,
+    the compiled kernel, the sequences' own blocks): the part of "other" that reads the KV cache.
+    None where decode attention does not run through the kernel."""
+    runner = engine.runner
+    if not runner.paged_decode:
+        return None
+    from engine.attention import AttentionMetadata, paged_attention, paged_decode_meta
+    seqs = list(engine.scheduler.running)
+    lens = [r.num_tokens for r in seqs]
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [], [],
+                             paged_decode_meta(list(range(len(seqs))), [r.block_table for r in seqs], lens,
+                                               runner.block_size))
+    q = torch.randn(len(seqs), runner.num_heads, runner.head_dim)
+
+    def once():
+        for li in range(runner.num_layers):
+            paged_attention(q, None, None, runner.kv_cache[:, li, 0], runner.kv_cache[:, li, 1], meta, runner.scale)
+
+    once()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        once()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def sweep_max_tokens(batch: int, context: int, num_steps: int, token_budget: int) -> int:
     """Early requests start decoding while later ones still prefill (one budget per step), so each
     request must be allowed the prefill steps plus the timed steps, with margin."""
@@ -295,6 +324,7 @@ def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_st
             durations.append(st.duration_s)
         wall = time.perf_counter() - t0
         ctx_end = sum(r.num_tokens for r in engine.scheduler.running)
+        attn_s = attention_only_step_s(engine)
         for rid in rids:
             engine.abort(rid)
         tps = bsz * num_steps / wall
@@ -303,6 +333,7 @@ def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_st
         rows.append({"batch": bsz, "context": context, "tokens_per_s": tps, "pct_roofline": 100 * tps / roofline_tps,
                      "median_step_ms": 1e3 * step_s, "linear_only_ms": 1e3 * lin_s,
                      "non_linear_ms": 1e3 * (step_s - lin_s),
+                     "attention_only_ms": None if attn_s is None else 1e3 * attn_s,
                      "linear_only_tokens_per_s": bsz / lin_s,
                      "linear_only_pct_roofline": 100 * bsz / lin_s / roofline_tps,
                      # KV read by attention per step (mean over the timed steps), for the bound below
@@ -495,14 +526,18 @@ def main(argv=None) -> dict:
                 rows, notes + targets)
     if sweep_rows:
         print_table(f"Decode-only batch sweep (~{args.sweep_context}-token contexts, {args.sweep_steps} steps)",
-                    ["batch", "tok/s", "% roofline", "step ms", "linears-only ms", "other ms",
-                     "linears-only % roofline", "KV read MB", "bound tok/s", "% bound"],
+                    ["batch", "tok/s", "% roofline", "step ms", "linears-only ms", "other ms", "attention-only ms",
+                     "linears-only % roofline", "KV read MB", "attention GB/s", "bound tok/s", "% bound"],
                     [[r["batch"], fmt(r["tokens_per_s"]), f"{r['pct_roofline']:.1f}%", fmt(r["median_step_ms"]),
-                      fmt(r["linear_only_ms"]), fmt(r["non_linear_ms"]), f"{r['linear_only_pct_roofline']:.1f}%",
-                      fmt(r["kv_read_mb"]), fmt(r["bound_tokens_per_s"]), f"{r['pct_bound']:.1f}%"]
+                      fmt(r["linear_only_ms"]), fmt(r["non_linear_ms"]), fmt(r["attention_only_ms"]),
+                      f"{r['linear_only_pct_roofline']:.1f}%", fmt(r["kv_read_mb"]),
+                      fmt(r["kv_read_mb"] / r["attention_only_ms"]) if r["attention_only_ms"] else "-",
+                      fmt(r["bound_tokens_per_s"]), f"{r['pct_bound']:.1f}%"]
                      for r in sweep_rows],
                     ["linears-only: the same step's q/k/v/o/gate/up/down + lm_head matmuls alone (the engine's, "
-                     "best of 5); other = step - linears (attention, KV writes, norms, rope, metadata, sampling)",
+                     "best of 5); other = step - linears (attention, KV writes, norms, rope, metadata, sampling); "
+                     "attention-only: the step's decode attention alone (all layers, the sequences' own blocks, "
+                     "best of 3), and the KV it reads per second",
                      f"bound: matmuls at the roofline + one read of the step's KV at {read_gbs:.1f} GB/s (streaming "
                      "read, measured in this run); attention reads every cached token of every sequence each step, "
                      "which the matmul roofline leaves out",

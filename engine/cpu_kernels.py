@@ -88,13 +88,13 @@ def _load() -> ctypes.CDLL | None:
             return None
         cc = _compiler()
         if cc is None:
-            logger.warning("no C compiler: decode attention uses the slower gather + SDPA path")
+            logger.warning("no C compiler: decode attention and the per-token ops use the slower torch path")
             return None
         try:
             lib = ctypes.CDLL(str(_build(cc)))
         except Exception as exc:  # noqa: BLE001 - any build or load failure: keep the torch path
             detail = getattr(exc, "stderr", b"") or b""
-            logger.warning("building the CPU decode-attention kernel failed (%r %s); using gather + SDPA",
+            logger.warning("building the CPU kernels failed (%r %s); using the torch path (gather + SDPA)",
                            exc, detail.decode(errors="replace")[-500:])
             return None
         fn = lib.pdserve_paged_decode
