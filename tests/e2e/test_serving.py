@@ -133,8 +133,11 @@ def test_16_concurrent_streams_join_running_batches(server, offline):
     with cf.ThreadPoolExecutor(16) as pool:
         got = list(pool.map(one, QUESTIONS))
     assert got == wants
-    stats = ray.get(router.stats.remote())
-    assert stats["counters"]["finished"] >= 16
+    # Streams end at the client a moment before the router hears of it (the worker reports separately).
+    deadline = time.monotonic() + 20
+    while (stats := ray.get(router.stats.remote(), timeout=30))["counters"]["finished"] < 16:
+        assert time.monotonic() < deadline, stats["counters"]
+        time.sleep(0.1)
     assert all(d["num_steps"] > 0 for d in stats["decode"].values()), stats  # both decode workers served
     assert max(d["max_batch_seen"] for d in stats["decode"].values()) > 1, stats
     assert_no_leaks(router)
