@@ -233,6 +233,17 @@ def run_hf_continuous(model, workload: list[BenchRequest], max_num_seqs: int, ma
 # ---------------------------------------------------------------------------------------------- sweep
 
 
+def best_of(fn, reps: int) -> float:
+    """Fastest of `reps` timed calls of `fn`, after one untimed warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 @torch.inference_mode()
 def linear_only_step_s(runner, batch: int, reps: int = 5) -> float:
     """Seconds one decode step of `batch` rows spends in the model's linear layers alone (all layers'
@@ -248,13 +259,7 @@ def linear_only_step_s(runner, batch: int, reps: int = 5) -> float:
             runner._lin_gate_up[li](x), runner._lin_down[li](xi)
         runner._lin_head(x)
 
-    once()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_of(once, reps)
 
 
 @torch.inference_mode()
@@ -277,13 +282,7 @@ def attention_only_step_s(engine: LLMEngine, reps: int = 3) -> float | None:
         for li in range(runner.num_layers):
             paged_attention(q, None, None, runner.kv_cache[:, li, 0], runner.kv_cache[:, li, 1], meta, runner.scale)
 
-    once()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        once()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_of(once, reps)
 
 
 def sweep_max_tokens(batch: int, context: int, num_steps: int, token_budget: int) -> int:

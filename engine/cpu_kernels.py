@@ -4,7 +4,8 @@ Two sources, one library:
   * `csrc/paged_decode_cpu.c`: decode attention read straight from the paged KV cache;
   * `csrc/decode_ops_cpu.c`: the small per-token ops of a layer, fused (rotary embedding + KV-cache
     write, residual add + RMSNorm, SiLU x up), built with `-ffp-contract=off` so the elementwise
-    ones round exactly as torch's do.
+    ones round exactly as torch's do;
+  * `csrc/vec_math.h`: the vector exp both use.
 The library is built for the machine it runs on (`-march=native`), cached under
 `~/.cache/pdserve/kernels` (or `$PDSERVE_CACHE_DIR/kernels`) keyed by the sources, the compiler, and
 the CPU's flags, and linked to the OpenMP runtime torch already loaded, so both share one thread pool.
@@ -54,7 +55,7 @@ def _build(cc: str) -> Path:
     torch_lib = Path(torch.__file__).parent / "lib"
     gomp = next(iter(sorted(torch_lib.glob("libgomp*.so*"))), None)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES]
+    parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES] + [(_CSRC / "vec_math.h").read_text()]
     key = hashlib.sha256("\0".join([*parts, version, _cpu_flags(), str(gomp)]).encode()).hexdigest()[:16]
     root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(Path.home(), ".cache", "pdserve")
     out = Path(root) / "kernels" / f"paged_decode_cpu-{key}.so"
@@ -67,7 +68,7 @@ def _build(cc: str) -> Path:
         objs = []
         for i, (src, extra) in enumerate(_SOURCES):
             objs.append(str(Path(tmp) / f"k{i}.o"))
-            subprocess.run([cc, *flags, *extra, "-c", str(src), "-o", objs[-1]], check=True, capture_output=True,
+            subprocess.run([cc, *flags, *extra, f"-I{_CSRC}", "-c", str(src), "-o", objs[-1]], check=True, capture_output=True,
                            timeout=120)
         # Link to torch's own libgomp when it ships one: the soname matches the copy already loaded in
         # this process, so there is one OpenMP runtime, not two thread pools spinning against each other.

@@ -14,8 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef int v16i __attribute__((vector_size(64)));
+#include "vec_math.h"
 
 /* Rotary embedding of one head (HF's `x * cos + rotate_half(x) * sin`, rotate_half(x) = cat(-x2, x1)),
  * from `x` into `y` (may alias). */
@@ -79,27 +78,6 @@ void pdserve_add_rmsnorm(float *x, const float *delta, const float *w, float eps
         const float r = 1.0f / sqrtf(sum / (float)n + eps);
         for (int i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * r);
     }
-}
-
-/* e^x for 16 lanes (as in paged_decode_cpu.c, with the input clamped on both sides). */
-static inline __attribute__((always_inline)) v16 vexp(v16 x) {
-    v16i lo = x < -87.3f, hi = x > 88.0f;
-    x = (v16)(((v16i)x & ~lo) | ((v16i)((v16){0} - 87.3f) & lo));
-    x = (v16)(((v16i)x & ~hi) | ((v16i)((v16){0} + 88.0f) & hi));
-    const v16 magic = (v16){0} + 12582912.0f;
-    v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    v16 p = (v16){0} + (1.0f / 5040.0f);
-    p = p * r + (1.0f / 720.0f);
-    p = p * r + (1.0f / 120.0f);
-    p = p * r + (1.0f / 24.0f);
-    p = p * r + (1.0f / 6.0f);
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)bits;
 }
 
 /* gate_up: [T, 2n] (gate, then up); y: [T, n] = silu(gate) * up, silu(g) = g / (1 + e^-g). */

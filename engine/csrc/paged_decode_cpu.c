@@ -15,8 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-typedef float v16 __attribute__((vector_size(64), aligned(4))); /* 16 floats, any 4-byte alignment */
-typedef int v16i __attribute__((vector_size(64)));
+#include "vec_math.h"
 
 static inline __attribute__((always_inline)) float hsum16(v16 x) {
     x += __builtin_shuffle(x, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
@@ -24,29 +23,6 @@ static inline __attribute__((always_inline)) float hsum16(v16 x) {
     x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return x[0];
-}
-
-/* e^x for 16 lanes, x <= 0 here (scores minus their max). Range reduction x = n ln2 + r, |r| <= ln2/2,
- * then a degree-7 Taylor polynomial (truncation < 1e-8 relative) and 2^n from the exponent bits; lanes
- * below -87.3 give e^-87.3 (~1e-38, nothing next to the max lane's 1). Calling libm's expf once per
- * score cost more than reading the whole KV cache. */
-static inline __attribute__((always_inline)) v16 vexp(v16 x) {
-    v16i below = x < -87.3f;
-    x = (v16)(((v16i)x & ~below) | ((v16i)((v16){0} - 87.3f) & below));
-    const v16 magic = (v16){0} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    v16 n = (x * 1.44269504088896341f + magic) - magic;
-    v16 r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    v16 p = (v16){0} + (1.0f / 5040.0f);
-    p = p * r + (1.0f / 720.0f);
-    p = p * r + (1.0f / 120.0f);
-    p = p * r + (1.0f / 24.0f);
-    p = p * r + (1.0f / 6.0f);
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-    return p * (v16)bits;
 }
 
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const float *restrict b, int n) {
