@@ -285,10 +285,35 @@ def attention_only_step_s(engine: LLMEngine, reps: int = 3) -> float | None:
     return best_of(once, reps)
 
 
+FUSED_AB_PAIRS = 6
+
+
+def fused_ops_ab(engine: LLMEngine, batch: int, pairs: int = FUSED_AB_PAIRS) -> tuple[float, float] | None:
+    """Median decode-step seconds with the model's per-token ops as torch ops, then fused
+    (`cpu_kernels`), from `pairs` alternating steps of the same batch: a paired comparison, so host
+    noise hits both sides alike. None where the fused ops do not run."""
+    runner = engine.runner
+    if not runner.fused_ops:
+        return None
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        for _ in range(pairs):
+            for fused in (False, True):
+                runner.fused_ops = fused
+                engine.step()
+                st = engine.last_step
+                assert st.num_decode_tokens == batch and st.num_prefill_tokens == 0, st
+                times[fused].append(st.duration_s)
+    finally:
+        runner.fused_ops = True
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return med[False], med[True]
+
+
 def sweep_max_tokens(batch: int, context: int, num_steps: int, token_budget: int) -> int:
     """Early requests start decoding while later ones still prefill (one budget per step), so each
     request must be allowed the prefill steps plus the timed steps, with margin."""
-    return num_steps + 2 * (-(-batch * context // token_budget)) + 8
+    return num_steps + 2 * FUSED_AB_PAIRS + 2 * (-(-batch * context // token_budget)) + 8
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:
@@ -324,6 +349,7 @@ def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_st
         wall = time.perf_counter() - t0
         ctx_end = sum(r.num_tokens for r in engine.scheduler.running)
         attn_s = attention_only_step_s(engine)
+        ab = fused_ops_ab(engine, bsz)
         for rid in rids:
             engine.abort(rid)
         tps = bsz * num_steps / wall
@@ -333,6 +359,8 @@ def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_st
                      "median_step_ms": 1e3 * step_s, "linear_only_ms": 1e3 * lin_s,
                      "non_linear_ms": 1e3 * (step_s - lin_s),
                      "attention_only_ms": None if attn_s is None else 1e3 * attn_s,
+                     "torch_ops_step_ms": None if ab is None else 1e3 * ab[0],
+                     "fused_ops_step_ms": None if ab is None else 1e3 * ab[1],
                      "linear_only_tokens_per_s": bsz / lin_s,
                      "linear_only_pct_roofline": 100 * bsz / lin_s / roofline_tps,
                      # KV read by attention per step (mean over the timed steps), for the bound below
@@ -526,17 +554,21 @@ def main(argv=None) -> dict:
     if sweep_rows:
         print_table(f"Decode-only batch sweep (~{args.sweep_context}-token contexts, {args.sweep_steps} steps)",
                     ["batch", "tok/s", "% roofline", "step ms", "linears-only ms", "other ms", "attention-only ms",
-                     "linears-only % roofline", "KV read MB", "attention GB/s", "bound tok/s", "% bound"],
+                     "linears-only % roofline", "KV read MB", "attention GB/s", "bound tok/s", "% bound",
+                     "fused ops speedup"],
                     [[r["batch"], fmt(r["tokens_per_s"]), f"{r['pct_roofline']:.1f}%", fmt(r["median_step_ms"]),
                       fmt(r["linear_only_ms"]), fmt(r["non_linear_ms"]), fmt(r["attention_only_ms"]),
                       f"{r['linear_only_pct_roofline']:.1f}%", fmt(r["kv_read_mb"]),
                       fmt(r["kv_read_mb"] / r["attention_only_ms"]) if r["attention_only_ms"] else "-",
-                      fmt(r["bound_tokens_per_s"]), f"{r['pct_bound']:.1f}%"]
+                      fmt(r["bound_tokens_per_s"]), f"{r['pct_bound']:.1f}%",
+                      fmt(r["torch_ops_step_ms"] / r["fused_ops_step_ms"], 2) + "x" if r["fused_ops_step_ms"] else "-"]
                      for r in sweep_rows],
                     ["linears-only: the same step's q/k/v/o/gate/up/down + lm_head matmuls alone (the engine's, "
                      "best of 5); other = step - linears (attention, KV writes, norms, rope, metadata, sampling); "
                      "attention-only: the step's decode attention alone (all layers, the sequences' own blocks, "
                      "best of 3), and the KV it reads per second",
+                     f"fused ops speedup: median step with the per-token ops as torch ops / fused (engine/csrc), "
+                     f"{FUSED_AB_PAIRS} alternating pairs of steps at the same batch",
                      f"bound: matmuls at the roofline + one read of the step's KV at {read_gbs:.1f} GB/s (streaming "
                      "read, measured in this run); attention reads every cached token of every sequence each step, "
                      "which the matmul roofline leaves out",
