@@ -114,8 +114,8 @@ def _load() -> ctypes.CDLL | None:
         return lib
 
 
-def paged_decode_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention on `device`/`dtype` can run through the compiled kernel."""
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the compiled kernels (decode attention and the fused per-token ops) run on `device`/`dtype`."""
     return device.type == "cpu" and dtype == torch.float32 and _load() is not None
 
 
@@ -127,7 +127,7 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_ca
     cache, [num_blocks, block_size, kv_heads, head_dim] (dims 1-3 contiguous, blocks strided);
     tables: [n, max_blocks] int32 block ids; lens: [n] int32 context lengths (new token included)."""
     lib = _load()
-    assert lib is not None, "paged_decode called without paged_decode_available()"
+    assert lib is not None, "paged_decode called without available()"
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, hd = k_cache.shape
     assert hd == head_dim and q.is_contiguous() and out.is_contiguous() and q.dtype == torch.float32
@@ -140,11 +140,6 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_ca
         raise MemoryError("paged decode attention could not allocate its scratch")
 
 
-def fused_ops_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the fused per-token ops (`rope_store`, `add_rmsnorm`, `silu_mul`) run on `device`/`dtype`."""
-    return device.type == "cpu" and dtype == torch.float32 and _load() is not None
-
-
 def rope_store(qkv: torch.Tensor, q_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor, heads: int) -> None:
     """Rotary embedding and KV-cache write for one layer, in one pass.
@@ -154,7 +149,7 @@ def rope_store(qkv: torch.Tensor, q_out: torch.Tensor, cos: torch.Tensor, sin: t
     [T, head_dim] contiguous. k_cache, v_cache: one layer's views of the cache (as `paged_decode`).
     slot_blocks, slot_offsets: [T] int64, where each token's K/V row goes."""
     lib = _load()
-    assert lib is not None, "rope_store called without fused_ops_available()"
+    assert lib is not None, "rope_store called without available()"
     _, block_size, kv_heads, head_dim = k_cache.shape
     T = qkv.shape[0]
     assert qkv.is_contiguous() and q_out.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
@@ -170,7 +165,7 @@ def rope_store(qkv: torch.Tensor, q_out: torch.Tensor, cos: torch.Tensor, sin: t
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm of `x` ([T, n] contiguous fp32), after `x += delta` in place when `delta` is given."""
     lib = _load()
-    assert lib is not None, "add_rmsnorm called without fused_ops_available()"
+    assert lib is not None, "add_rmsnorm called without available()"
     assert x.is_contiguous() and weight.is_contiguous() and x.dtype == torch.float32 and x.shape[1] == weight.numel()
     if delta is not None:
         assert delta.is_contiguous() and delta.shape == x.shape
@@ -183,7 +178,7 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` for `gate_up` = [T, 2n] contiguous fp32 (gate, then up); returns [T, n]."""
     lib = _load()
-    assert lib is not None, "silu_mul called without fused_ops_available()"
+    assert lib is not None, "silu_mul called without available()"
     assert gate_up.is_contiguous() and gate_up.dtype == torch.float32 and gate_up.shape[1] % 2 == 0
     T, n = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)

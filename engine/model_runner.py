@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from engine.attention import (AttentionMetadata, KVWorkspace, PrefillSeq, decode_buckets, paged_attention,
                               paged_decode_meta, write_kv)
 from engine import cpu_kernels
-from engine.cpu_kernels import fused_ops_available, paged_decode_available
 from engine.scheduler import SchedulerOutput
 
 
@@ -102,10 +101,10 @@ class ModelRunner:
         self.workspace = KVWorkspace()  # gathered KV blocks land here, reused by every layer and step
         # Decode attention through the compiled CPU kernel (one read of the cache, no gather) when it
         # builds here; otherwise the gather + SDPA path. Tests switch it to compare the two.
-        self.paged_decode = paged_decode_available(self.device, self.dtype)
-        # The fused per-token ops (rotary + KV write, residual add + RMSNorm, SiLU x up) where they
-        # build and the model's modules are the plain ones they replace. Tests switch it off to compare.
-        self.fused_ops = fused_ops_available(self.device, self.dtype)
+        self.paged_decode = cpu_kernels.available(self.device, self.dtype)
+        # The fused per-token ops (rotary + KV write, residual add + RMSNorm, SiLU x up), from the same
+        # library, where the model's modules are the plain ones they replace. Tests switch it off to compare.
+        self.fused_ops = self.paged_decode
         norms = [n for l in self.layers for n in (l.input_layernorm, l.post_attention_layernorm)] + [self.norm]
         self._fuse_norm = all(type(n).__name__ in _PLAIN_RMSNORMS and hasattr(n, "variance_epsilon") for n in norms)
         self._fuse_rope = not any(hasattr(l.self_attn, "q_norm") for l in self.layers)  # Qwen3 norms q/k first

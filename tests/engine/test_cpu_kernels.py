@@ -13,17 +13,16 @@ import torch
 from engine import EngineConfig, LLMEngine
 from engine.attention import AttentionMetadata, KVWorkspace, decode_buckets, paged_attention, paged_decode_meta
 from engine import cpu_kernels
-from engine.cpu_kernels import fused_ops_available, paged_decode_available
 from test_correctness import check_against_hf, make_prompts
 
-needs_kernel = pytest.mark.skipif(not paged_decode_available(torch.device("cpu"), torch.float32),
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(torch.device("cpu"), torch.float32),
                                   reason="the CPU kernel did not build here (no C compiler?)")
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="no C compiler")
 def test_kernel_builds_where_a_compiler_is():
-    assert paged_decode_available(torch.device("cpu"), torch.float32)
-    assert not paged_decode_available(torch.device("cpu"), torch.bfloat16)  # fp32 only: others take SDPA
+    assert cpu_kernels.available(torch.device("cpu"), torch.float32)
+    assert not cpu_kernels.available(torch.device("cpu"), torch.bfloat16)  # fp32 only: others take SDPA
 
 
 @needs_kernel
@@ -66,16 +65,12 @@ def test_both_decode_paths_match_hf(tiny_model_dir, kernel):
     check_against_hf(engine, make_prompts(10, engine.vocab_size, seed=5))
 
 
-needs_fused = pytest.mark.skipif(not fused_ops_available(torch.device("cpu"), torch.float32),
-                                 reason="the CPU kernels did not build here (no C compiler?)")
-
-
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-@needs_fused
+@needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
 def test_rope_store_equals_torch_bit_for_bit(heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(heads)
@@ -108,7 +103,7 @@ def test_rope_store_equals_torch_bit_for_bit(heads, kv_heads, head_dim):
     assert torch.equal(cache, ref_cache)  # only this layer's slots were written
 
 
-@needs_fused
+@needs_kernel
 @pytest.mark.parametrize("n", [576, 40])  # whole vectors, and a remainder
 def test_add_rmsnorm_matches_hf(n):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -126,7 +121,7 @@ def test_add_rmsnorm_matches_hf(n):
         torch.testing.assert_close(cpu_kernels.add_rmsnorm(x, None, norm.weight, 1e-5), norm(x), rtol=2e-6, atol=1e-6)
 
 
-@needs_fused
+@needs_kernel
 @pytest.mark.parametrize("n", [1536, 37])
 def test_silu_mul_matches_torch(n):
     g = torch.Generator().manual_seed(n)
