@@ -15,6 +15,9 @@ lengths, greedy, ignore_eos), SmolLM2-135M fp32. Rows:
     manager through `continuous_batching_context_manager` + `add_request(..., max_new_tokens=n)`,
     which gives every request its own length: the same work as our rows. Its start-up (cache
     allocation, warmup) is timed separately and not counted.
+  * pdserve continuous, KV bfloat16 / fp8_e5m2 (`--kv-cache-dtypes`): the same engine with its KV
+    cache in a narrower element type (K and V rounded when stored; the math stays fp32), and how far
+    its greedy text stays with transformers'.
 
 The roofline is the best fp32 matmul GFLOP/s measured in this run (torch.mm or oneDNN with a
 prepacked weight, whichever is faster; model-shaped and one large
@@ -22,7 +25,8 @@ square shape) divided by 2 x params per token (non-embedding params + the lm_hea
 counts once, as the lm_head). A "decode-only batch sweep" then measures steady decode at fixed batch
 sizes and ~`--sweep-context` tokens of context, next to the time the same step spends in its linear
 layers alone and its decode attention alone, which separates GEMM efficiency at small batch from the
-KV-cache read and the rest of the per-step overhead (norms, rope, metadata, sampling, Python).
+KV-cache read and the rest of the per-step overhead (norms, rope, metadata, sampling, Python);
+once per KV cache element type.
 """
 
 from __future__ import annotations
@@ -66,11 +70,13 @@ class RunResult:
 # ---------------------------------------------------------------------------------------------- pdserve
 
 
-def build_engine(args, policy: str, max_num_seqs: int | None = None, kv_cache_mb: int | None = None) -> LLMEngine:
+def build_engine(args, policy: str, max_num_seqs: int | None = None, kv_cache_mb: int | None = None,
+                 kv_cache_dtype: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=args.model, num_threads=args.threads, batching=policy,
         max_num_seqs=max_num_seqs or args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_cache_memory_mb=kv_cache_mb or args.kv_cache_mb, max_wait_s=args.max_wait_s))
+        kv_cache_memory_mb=kv_cache_mb or args.kv_cache_mb, max_wait_s=args.max_wait_s,
+        kv_cache_dtype=kv_cache_dtype))
 
 
 def _drain(engine: LLMEngine) -> dict[str, list[int]]:
@@ -318,7 +324,7 @@ def sweep_max_tokens(batch: int, context: int, num_steps: int, token_budget: int
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:
     """Bytes of K and V one cached token holds over all layers (what decode attention reads per token)."""
-    return engine.runner.kv_block_bytes(engine.hf_model.config, 1, engine.runner.dtype)
+    return engine.runner.kv_block_bytes(engine.hf_model.config, 1, engine.runner.kv_dtype)
 
 
 def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_steps: int,
@@ -355,7 +361,8 @@ def decode_sweep(engine: LLMEngine, batch_sizes: list[int], context: int, num_st
         tps = bsz * num_steps / wall
         step_s = sorted(durations)[len(durations) // 2]
         lin_s = linear_only_step_s(engine.runner, bsz)
-        rows.append({"batch": bsz, "context": context, "tokens_per_s": tps, "pct_roofline": 100 * tps / roofline_tps,
+        rows.append({"kv_cache_dtype": engine.config.kv_cache_dtype, "batch": bsz, "context": context,
+                     "tokens_per_s": tps, "pct_roofline": 100 * tps / roofline_tps,
                      "median_step_ms": 1e3 * step_s, "linear_only_ms": 1e3 * lin_s,
                      "non_linear_ms": 1e3 * (step_s - lin_s),
                      "attention_only_ms": None if attn_s is None else 1e3 * attn_s,
@@ -395,6 +402,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep-context", type=int, default=256)
     p.add_argument("--sweep-steps", type=int, default=24)
     p.add_argument("--skip-sweep", action="store_true")
+    p.add_argument("--kv-cache-dtypes", default="auto,bfloat16,fp8_e5m2",
+                   help="KV cache element types to run the continuous policy and the decode sweep with "
+                        "(auto = fp32, the model's; each extra one adds a continuous row and a sweep)")
     p.add_argument("--quick", action="store_true",
                    help="16 requests, prompts 32-128, outputs 8-32, sweep of 6 steps (a smoke test)")
     p.add_argument("--json", default=None, help="write all results here")
@@ -446,6 +456,20 @@ def main(argv=None) -> dict:
             del engine
             gc.collect()
             engine = None
+    kv_dtypes = [d for d in args.kv_cache_dtypes.split(",") if d] or ["auto"]
+    for kv in kv_dtypes:
+        if kv == "auto" or "continuous" not in policies:
+            continue
+        del engine
+        gc.collect()
+        engine = build_engine(args, "continuous", kv_cache_dtype=kv)
+        warm_up(engine)
+        res, toks = run_pdserve(engine, workload, "continuous")
+        res.name = f"pdserve continuous, KV {kv}"
+        res.load_avg_1m = os.getloadavg()[0]
+        results.append(res)
+        outputs[f"continuous, KV {kv}"] = toks
+        print(f"  {res.name}: {res.tokens_per_s:.1f} tok/s, {res.wall_s:.1f} s", flush=True)
     if engine is None:
         engine = build_engine(args, "continuous")
     model = engine.hf_model
@@ -462,12 +486,14 @@ def main(argv=None) -> dict:
         results.append(res)
         print(f"  {res.name}: {res.tokens_per_s:.1f} tok/s, {res.wall_s:.1f} s", flush=True)
 
-    # Greedy agreement with transformers on the first 16 tokens (fp32 kernels differ, so late drift is fine).
-    agreement = None
-    ref = outputs.get("continuous") or (next(iter(outputs.values())) if outputs else None)
-    if ref is not None and hf_cb_tokens is not None:
-        same = sum(ref[f"req-{k}"][:16] == hf_cb_tokens[f"req-{k}"][:16] for k in range(len(workload)))
-        agreement = same / len(workload)
+    # Greedy agreement with transformers on the first 16 tokens (fp32 kernels differ, so late drift is
+    # fine); for a narrower KV cache, how much its rounding changes the text.
+    agreement, agreements = None, {}
+    if hf_cb_tokens is not None:
+        for key, toks in outputs.items():
+            same = sum(toks[f"req-{k}"][:16] == hf_cb_tokens[f"req-{k}"][:16] for k in range(len(workload)))
+            agreements[key] = same / len(workload)
+        agreement = agreements.get("continuous", next(iter(agreements.values()), None))
 
     sweep_rows = []
     if not args.skip_sweep:
@@ -479,14 +505,17 @@ def main(argv=None) -> dict:
         final_len = args.sweep_context + sweep_max_tokens(most, args.sweep_context, args.sweep_steps,
                                                           args.max_num_batched_tokens)
         blocks = most * -(-final_len // 16)
-        kv_mb = max(args.kv_cache_mb, int(blocks * block_mb * 1.1) + 1)
-        del engine
-        gc.collect()
-        engine = build_engine(args, "continuous", max_num_seqs=max(max(batches), args.max_num_seqs), kv_cache_mb=kv_mb)
-        try:
-            sweep_rows = decode_sweep(engine, batches, args.sweep_context, args.sweep_steps, roof, vocab, args.seed)
-        except Exception as exc:  # keep the main table: it took most of the run
-            print(f"decode sweep failed: {exc!r}", flush=True)
+        kv_mb = max(args.kv_cache_mb, int(blocks * block_mb * 1.1) + 1)  # fp32 size: enough for any dtype
+        for kv in kv_dtypes:
+            del engine
+            gc.collect()
+            engine = build_engine(args, "continuous", max_num_seqs=max(max(batches), args.max_num_seqs),
+                                  kv_cache_mb=kv_mb, kv_cache_dtype=kv)
+            try:
+                sweep_rows += decode_sweep(engine, batches, args.sweep_context, args.sweep_steps, roof, vocab,
+                                           args.seed)
+            except Exception as exc:  # keep the main table: it took most of the run
+                print(f"decode sweep (KV {kv}) failed: {exc!r}", flush=True)
 
     # The roofline again, to see whether the machine changed under us (shared hosts); keep the best.
     gflops_end, mm_end = measure_roofline(shapes)
@@ -532,7 +561,8 @@ def main(argv=None) -> dict:
         f"threads={args.threads}; HF static batch size {args.hf_batch_size}",
     ]
     if agreement is not None:
-        notes.append(f"greedy agreement, first 16 tokens, pdserve vs HF continuous batching: {100 * agreement:.0f}% of requests")
+        notes.append(f"greedy agreement, first 16 tokens, pdserve vs HF continuous batching: {100 * agreement:.0f}% of requests"
+                     + "".join(f"; {key}: {100 * a:.0f}%" for key, a in agreements.items() if "KV" in key))
     if hf_static and hf_static.extrapolated:
         notes.append("* extrapolated: " + hf_static.notes)
     targets = []
@@ -540,9 +570,9 @@ def main(argv=None) -> dict:
         targets.append(f"continuous / HF static = {cont.tokens_per_s / hf_static.tokens_per_s:.2f}x (target >= 4x)")
     if cont and hf_cb:
         targets.append(f"continuous / HF continuous = {cont.tokens_per_s / hf_cb.tokens_per_s:.2f}x (target >= 3x)")
-    if sweep_rows:
-        top = max(sweep_rows, key=lambda r: r["batch"])
-        targets.append(f"decode at batch {top['batch']}: {top['pct_roofline']:.1f}% of roofline (target >= 70%); "
+    for kv in dict.fromkeys(r["kv_cache_dtype"] for r in sweep_rows):
+        top = max((r for r in sweep_rows if r["kv_cache_dtype"] == kv), key=lambda r: r["batch"])
+        targets.append(f"decode at batch {top['batch']}, KV {kv}: {top['pct_roofline']:.1f}% of roofline (target >= 70%); "
                        f"{top['pct_bound']:.1f}% of the matmul + KV-read bound ({fmt(top['bound_tokens_per_s'])} tok/s "
                        f"= {100 * top['bound_tokens_per_s'] / roof:.1f}% of roofline)")
     if cont:
@@ -553,10 +583,10 @@ def main(argv=None) -> dict:
                 rows, notes + targets)
     if sweep_rows:
         print_table(f"Decode-only batch sweep (~{args.sweep_context}-token contexts, {args.sweep_steps} steps)",
-                    ["batch", "tok/s", "% roofline", "step ms", "linears-only ms", "other ms", "attention-only ms",
+                    ["KV", "batch", "tok/s", "% roofline", "step ms", "linears-only ms", "other ms", "attention-only ms",
                      "linears-only % roofline", "KV read MB", "attention GB/s", "bound tok/s", "% bound",
                      "fused ops speedup"],
-                    [[r["batch"], fmt(r["tokens_per_s"]), f"{r['pct_roofline']:.1f}%", fmt(r["median_step_ms"]),
+                    [[r["kv_cache_dtype"], r["batch"], fmt(r["tokens_per_s"]), f"{r['pct_roofline']:.1f}%", fmt(r["median_step_ms"]),
                       fmt(r["linear_only_ms"]), fmt(r["non_linear_ms"]), fmt(r["attention_only_ms"]),
                       f"{r['linear_only_pct_roofline']:.1f}%", fmt(r["kv_read_mb"]),
                       fmt(r["kv_read_mb"] / r["attention_only_ms"]) if r["attention_only_ms"] else "-",
@@ -572,7 +602,9 @@ def main(argv=None) -> dict:
                      f"bound: matmuls at the roofline + one read of the step's KV at {read_gbs:.1f} GB/s (streaming "
                      "read, measured in this run); attention reads every cached token of every sequence each step, "
                      "which the matmul roofline leaves out",
-                     f"decode attention: {'compiled CPU kernel (paged, one read of the cache)' if engine.runner.paged_decode else 'gather + SDPA'}"])
+                     f"decode attention: {'compiled CPU kernel (paged, one read of the cache)' if engine.runner.paged_decode else 'gather + SDPA'}",
+                     "KV: the cache's element type (auto = the model's fp32); narrower rounds K and V when stored, "
+                     "the math stays fp32"])
     total_s = time.perf_counter() - t_start
     print(f"total benchmark time {total_s:.0f} s")
 
@@ -588,7 +620,7 @@ def main(argv=None) -> dict:
                      "all_token_pct_roofline": 100 * (total_prompt + total_requested) / r.wall_s / roof,
                      "load_avg_1m": r.load_avg_1m,
                      "details": r.details} for r in results],
-        "greedy_agreement_first16": agreement, "decode_sweep": sweep_rows, "targets": targets,
+        "greedy_agreement_first16": agreement, "greedy_agreement_first16_by_run": agreements, "decode_sweep": sweep_rows, "targets": targets,
         "total_benchmark_s": total_s,
     }
     if args.json:

@@ -55,6 +55,7 @@ class ServeConfig:
     threads_per_worker: int = 1
     device: str = "cpu"
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # the KV cache's elements (EngineConfig.kv_cache_dtype); what moves between pools
     block_size: int = 16
     kv_cache_memory_mb: int = 2048
     max_num_seqs: int = 64
@@ -188,7 +189,8 @@ class ServeConfig:
         """The engine settings of a `role` worker: a decode worker next to a prefill pool caps the
         prompt tokens of each step (`decode_max_prefill_tokens`); colocated, it is the whole engine."""
         cap = self.decode_max_prefill_tokens if role == "decode" and not self.colocated else None
-        return EngineConfig(model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+        return EngineConfig(model=self.model, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
+                            device=self.device, block_size=self.block_size,
                             kv_cache_memory_mb=self.kv_cache_memory_mb, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
                             num_threads=self.threads_per_worker, max_prefill_tokens_per_step=cap,

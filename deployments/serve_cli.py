@@ -21,6 +21,9 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--worker-num-gpus", type=float, default=0.0, help="1 on a GPU cluster")
     s.add_argument("--device", default="cpu", help="torch device of the workers (cuda on GPU nodes)")
     s.add_argument("--dtype", default="float32")
+    s.add_argument("--kv-cache-dtype", default="auto",
+                   help="the KV cache's element type: auto (= --dtype), float32, bfloat16, float16 or fp8_e5m2; "
+                        "narrower holds more tokens and decodes faster, rounding K and V")
     s.add_argument("--kv-cache-memory-mb", type=int, default=2048)
     s.add_argument("--max-num-seqs", type=int, default=64)
     s.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -77,7 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         model=args.model, model_name=args.model_name, num_prefill_workers=args.prefill_workers,
         num_decode_workers=args.decode_workers, threads_per_worker=args.threads_per_worker,
         worker_num_cpus=args.worker_num_cpus, worker_num_gpus=args.worker_num_gpus, device=args.device,
-        dtype=args.dtype, kv_cache_memory_mb=args.kv_cache_memory_mb, max_num_seqs=args.max_num_seqs,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_mb=args.kv_cache_memory_mb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         decode_max_prefill_tokens=args.decode_max_prefill_tokens,
         local_prefill_max_tokens=args.local_prefill_max_tokens, enable_prefix_caching=not args.no_prefix_caching,

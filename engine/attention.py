@@ -125,9 +125,10 @@ class KVWorkspace:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """k_cache: [num_blocks, block_size, kv_heads, head_dim] (one layer's view of the cache: blocks
-    are strided by the whole block, all layers); k: [T, kv_heads, head_dim]."""
-    k_cache.index_put_((meta.slot_blocks, meta.slot_offsets), k)
-    v_cache.index_put_((meta.slot_blocks, meta.slot_offsets), v)
+    are strided by the whole block, all layers); k: [T, kv_heads, head_dim], rounded to the cache's
+    element type when that is narrower."""
+    k_cache.index_put_((meta.slot_blocks, meta.slot_offsets), k.to(k_cache.dtype))
+    v_cache.index_put_((meta.slot_blocks, meta.slot_offsets), v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -152,8 +153,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for b in meta.decode:
         n = b.rows.numel()
         ctx = b.num_blocks * k_cache.shape[1]
-        keys = ws.gather(k_cache, b.blocks, 0).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        values = ws.gather(v_cache, b.blocks, 1).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2)
+        keys = ws.gather(k_cache, b.blocks, 0).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        values = ws.gather(v_cache, b.blocks, 1).view(n, ctx, num_kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         # HF's GQA: query head h reads KV head h // group, so [heads] -> [kv_heads, group] is a view.
         qd = q[b.rows].view(n, num_kv_heads, group, head_dim)
         o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=b.mask, scale=scale)
@@ -164,11 +165,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if p.num_computed == 0:
             ks = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
             vs = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            if k_cache.dtype != q.dtype:  # a narrower cache: attend to K/V as stored, whatever the chunking
+                ks, vs = ks.to(k_cache.dtype).to(q.dtype), vs.to(v_cache.dtype).to(q.dtype)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             ctx = p.num_computed + n
             ks = ws.gather(k_cache, p.block_table, 0).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
             vs = ws.gather(v_cache, p.block_table, 1).view(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+            ks, vs = ks.to(q.dtype), vs.to(q.dtype)
             qpos = torch.arange(p.num_computed, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)

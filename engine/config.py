@@ -9,6 +9,8 @@ from engine.errors import EngineConfigError
 
 BatchingPolicy = Literal["static", "dynamic", "continuous"]
 BATCHING_POLICIES: tuple[str, ...] = ("static", "dynamic", "continuous")
+# Element types the KV cache can hold; "auto" is the model's dtype.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +23,11 @@ class EngineConfig:
     model: str | None = None
     gguf_file: str | None = None
     dtype: str = "float32"
+    # The KV cache's element type. Narrower than the model's dtype, it holds 2x (bfloat16, float16)
+    # or 4x (fp8_e5m2) the tokens in the same memory, and decode attention, bound by reading the
+    # cache, runs faster; K and V are rounded when stored, so outputs drift from the model's own
+    # precision (greedy text may differ from transformers' after some tokens). Math stays in `dtype`.
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     # Either a fixed number of KV blocks or a memory budget for the KV cache.
@@ -62,3 +69,12 @@ class EngineConfig:
             raise EngineConfigError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise EngineConfigError(f"dtype={self.dtype!r}: choose float32, bfloat16 or float16")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: str) -> str:
+    """The torch dtype name (`getattr(torch, name)`) of a KV cache set to `kv_cache_dtype` for a model in `dtype`."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    return "float8_e5m2" if kv_cache_dtype == "fp8_e5m2" else kv_cache_dtype

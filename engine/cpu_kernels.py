@@ -1,11 +1,13 @@
 """CPU kernels of our own, compiled on first use with the system C compiler and loaded with ctypes.
 
 Two sources, one library:
-  * `csrc/paged_decode_cpu.c`: decode attention read straight from the paged KV cache;
+  * `csrc/paged_decode_cpu.c`: decode attention read straight from the paged KV cache, one copy of
+    `csrc/paged_decode_impl.h` per KV element type (fp32, bf16, fp16, fp8 e5m2: `csrc/kv_types.h`);
   * `csrc/decode_ops_cpu.c`: the small per-token ops of a layer, fused (rotary embedding + KV-cache
     write, residual add + RMSNorm, SiLU x up), built with `-ffp-contract=off` so the elementwise
     ones round exactly as torch's do;
   * `csrc/vec_math.h`: the vector exp both use.
+The queries, activations and all the math are fp32; only the cache's elements may be narrower.
 The library is built for the machine it runs on (`-march=native`), cached under
 `~/.cache/pdserve/kernels` (or `$PDSERVE_CACHE_DIR/kernels`) keyed by the sources, the compiler, and
 the CPU's flags, and linked to the OpenMP runtime torch already loaded, so both share one thread pool.
@@ -32,6 +34,9 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 # (source, extra compiler flags). gnu11 allows fused multiply-adds; the fused ops turn them off.
 _SOURCES = ((_CSRC / "paged_decode_cpu.c", ()), (_CSRC / "decode_ops_cpu.c", ("-ffp-contract=off",)))
+# The KV cache element types the kernels read and write: dtype -> (kv_types.h's enum, symbol suffix).
+_KV_KINDS = {torch.float32: (0, "f32"), torch.bfloat16: (1, "bf16"), torch.float8_e5m2: (2, "e5m2"),
+             torch.float16: (3, "f16")}
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -55,7 +60,7 @@ def _build(cc: str) -> Path:
     torch_lib = Path(torch.__file__).parent / "lib"
     gomp = next(iter(sorted(torch_lib.glob("libgomp*.so*"))), None)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES] + [(_CSRC / "vec_math.h").read_text()]
+    parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES] + [h.read_text() for h in sorted(_CSRC.glob("*.h"))]
     key = hashlib.sha256("\0".join([*parts, version, _cpu_flags(), str(gomp)]).encode()).hexdigest()[:16]
     root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(Path.home(), ".cache", "pdserve")
     out = Path(root) / "kernels" / f"paged_decode_cpu-{key}.so"
@@ -98,14 +103,13 @@ def _load() -> ctypes.CDLL | None:
             logger.warning("building the CPU kernels failed (%r %s); using the torch path (gather + SDPA)",
                            exc, detail.decode(errors="replace")[-500:])
             return None
-        fn = lib.pdserve_paged_decode
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        for suffix in _KV_KINDS.values():
+            fn = getattr(lib, f"pdserve_paged_decode_{suffix[1]}")
+            fn.restype = ctypes.c_int
+            fn.argtypes = [p, p, p, p, i64, p, i64, p, i32, i32, i32, i32, i32, f32, i32]
         lib.pdserve_rope_store.restype = None
-        lib.pdserve_rope_store.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32]
+        lib.pdserve_rope_store.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32]
         lib.pdserve_add_rmsnorm.restype = None
         lib.pdserve_add_rmsnorm.argtypes = [p, p, p, f32, p, i32, i32, i32]
         lib.pdserve_silu_mul.restype = None
@@ -114,9 +118,11 @@ def _load() -> ctypes.CDLL | None:
         return lib
 
 
-def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the compiled kernels (decode attention and the fused per-token ops) run on `device`/`dtype`."""
-    return device.type == "cpu" and dtype == torch.float32 and _load() is not None
+def available(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether the compiled kernels (decode attention and the fused per-token ops) run on `device` for
+    a model in `dtype` with its KV cache in `kv_dtype` (None: the model's dtype)."""
+    return (device.type == "cpu" and dtype == torch.float32 and (kv_dtype or dtype) in _KV_KINDS
+            and _load() is not None)
 
 
 def paged_decode(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -124,7 +130,8 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Decode attention for `n` single-token sequences, written into `out`.
 
     q, out: [n, heads, head_dim] fp32 contiguous; k_cache, v_cache: one layer's views of the block-major
-    cache, [num_blocks, block_size, kv_heads, head_dim] (dims 1-3 contiguous, blocks strided);
+    cache, [num_blocks, block_size, kv_heads, head_dim] (dims 1-3 contiguous, blocks strided), in any
+    of the element types fp32, bf16, fp16 and fp8 e5m2;
     tables: [n, max_blocks] int32 block ids; lens: [n] int32 context lengths (new token included)."""
     lib = _load()
     assert lib is not None, "paged_decode called without available()"
@@ -133,9 +140,10 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_ca
     assert hd == head_dim and q.is_contiguous() and out.is_contiguous() and q.dtype == torch.float32
     assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and k_cache.stride() == v_cache.stride()
     assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()
-    rc = lib.pdserve_paged_decode(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                  k_cache.stride(0), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n, heads,
-                                  kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
+    fn = getattr(lib, f"pdserve_paged_decode_{_KV_KINDS[k_cache.dtype][1]}")
+    rc = fn(q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.stride(0), tables.data_ptr(), tables.stride(0), lens.data_ptr(), n, heads,
+            kv_heads, head_dim, block_size, float(scale), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged decode attention could not allocate its scratch")
 
@@ -146,8 +154,9 @@ def rope_store(qkv: torch.Tensor, q_out: torch.Tensor, cos: torch.Tensor, sin: t
 
     qkv: [T, (heads + 2 kv_heads) * head_dim] contiguous, the fused q/k/v projection; its k part is
     rotated in place. q_out: [T, heads, head_dim] contiguous, receives the rotated queries. cos, sin:
-    [T, head_dim] contiguous. k_cache, v_cache: one layer's views of the cache (as `paged_decode`).
-    slot_blocks, slot_offsets: [T] int64, where each token's K/V row goes."""
+    [T, head_dim] contiguous. k_cache, v_cache: one layer's views of the cache (as `paged_decode`);
+    k and v are stored rounded to its element type as torch's `.to` rounds. slot_blocks, slot_offsets:
+    [T] int64, where each token's K/V row goes."""
     lib = _load()
     assert lib is not None, "rope_store called without available()"
     _, block_size, kv_heads, head_dim = k_cache.shape
@@ -159,7 +168,7 @@ def rope_store(qkv: torch.Tensor, q_out: torch.Tensor, cos: torch.Tensor, sin: t
     assert slot_blocks.is_contiguous() and slot_offsets.is_contiguous() and slot_blocks.numel() == T
     lib.pdserve_rope_store(qkv.data_ptr(), q_out.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                            v_cache.data_ptr(), k_cache.stride(0), slot_blocks.data_ptr(), slot_offsets.data_ptr(),
-                           T, heads, kv_heads, head_dim, torch.get_num_threads())
+                           T, heads, kv_heads, head_dim, _KV_KINDS[k_cache.dtype][0], torch.get_num_threads())
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

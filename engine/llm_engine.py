@@ -12,7 +12,7 @@ from typing import Sequence
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, kv_cache_torch_dtype
 from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_loader import load_model_and_tokenizer
 from engine.model_runner import ModelRunner
@@ -52,15 +52,15 @@ class LLMEngine:
         self.hf_model, self.tokenizer, self.model_dir = load_model_and_tokenizer(
             config.model, config.dtype, config.device, config.cache_dir)
         hf_cfg = self.hf_model.config
-        dtype = getattr(torch, config.dtype)
+        kv_dtype = getattr(torch, kv_cache_torch_dtype(config.kv_cache_dtype, config.dtype))
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            block_bytes = ModelRunner.kv_block_bytes(hf_cfg, config.block_size, dtype)
+            block_bytes = ModelRunner.kv_block_bytes(hf_cfg, config.block_size, kv_dtype)
             num_blocks = max(1, config.kv_cache_memory_mb * 2**20 // block_bytes)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.device)
+        self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.device, kv_dtype)
         limits = [hf_cfg.max_position_embeddings, num_blocks * config.block_size]
         if config.max_model_len:
             limits.append(config.max_model_len)

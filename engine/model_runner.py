@@ -72,12 +72,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, hf_model, num_blocks: int, block_size: int, device: str):
+    def __init__(self, hf_model, num_blocks: int, block_size: int, device: str, kv_dtype: torch.dtype | None = None):
         self.hf_model = hf_model
         cfg = hf_model.config
         self.config = cfg
         self.device = torch.device(device)
         self.dtype = next(hf_model.parameters()).dtype
+        self.kv_dtype = kv_dtype or self.dtype  # the cache's elements; all math stays in self.dtype
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -90,7 +91,7 @@ class ModelRunner:
         # (layer-major, it took 2 x layers messages, and their per-message cost was a third of a
         # 512-token transfer). A layer's view `kv_cache[:, layer, k|v]` strides over whole blocks.
         self.kv_cache = zeroed_kv_cache(
-            (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim), self.dtype, self.device)
+            (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim), self.kv_dtype, self.device)
         inner = hf_model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = list(inner.layers)
@@ -101,7 +102,7 @@ class ModelRunner:
         self.workspace = KVWorkspace()  # gathered KV blocks land here, reused by every layer and step
         # Decode attention through the compiled CPU kernel (one read of the cache, no gather) when it
         # builds here; otherwise the gather + SDPA path. Tests switch it to compare the two.
-        self.paged_decode = cpu_kernels.available(self.device, self.dtype)
+        self.paged_decode = cpu_kernels.available(self.device, self.dtype, self.kv_dtype)
         # The fused per-token ops (rotary + KV write, residual add + RMSNorm, SiLU x up), from the same
         # library, where the model's modules are the plain ones they replace. Tests switch it off to compare.
         self.fused_ops = self.paged_decode

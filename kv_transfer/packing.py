@@ -18,7 +18,9 @@ def _index(block_ids, device: torch.device) -> torch.Tensor:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.view(t.shape[0], -1)
+    rows = t.view(t.shape[0], -1)
+    # fp8 caches: torch has no fp8 index_copy_; the blocks are moved as bytes either way.
+    return rows.view(torch.uint8) if rows.element_size() == 1 else rows
 
 
 def packed_buffer(layout: KVLayout, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:

@@ -14,7 +14,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "vec_math.h"
+#include "kv_types.h"
 
 /* Rotary embedding of one head (HF's `x * cos + rotate_half(x) * sin`, rotate_half(x) = cat(-x2, x1)),
  * from `x` into `y` (may alias). */
@@ -30,12 +30,14 @@ static inline void rope_head(const float *x, float *y, const float *cos, const f
 
 /* qkv: [T, (heads + 2 kv_heads) * head_dim], the fused projection's output. For every token: its q
  * heads rotated into q_out [T, heads, head_dim]; its k heads rotated in place; then k and v stored
- * in the cache at (slot_blocks[t], slot_offsets[t]). k_cache/v_cache point at this layer's K/V plane
- * of block 0; block_stride is the distance between blocks, in floats; a block's rows are
+ * in the cache at (slot_blocks[t], slot_offsets[t]), as the cache's element type `kv_kind`
+ * (kv_types.h). k_cache/v_cache point at this layer's K/V plane of block 0; block_stride is the
+ * distance between blocks, in elements; a block's rows are
  * kv_heads * head_dim apart. cos, sin: [T, head_dim]. head_dim <= 512. */
-void pdserve_rope_store(float *qkv, float *q_out, const float *cos, const float *sin, float *k_cache,
-                        float *v_cache, int64_t block_stride, const int64_t *slot_blocks,
-                        const int64_t *slot_offsets, int T, int heads, int kv_heads, int head_dim, int num_threads) {
+void pdserve_rope_store(float *qkv, float *q_out, const float *cos, const float *sin, void *k_cache,
+                        void *v_cache, int64_t block_stride, const int64_t *slot_blocks,
+                        const int64_t *slot_offsets, int T, int heads, int kv_heads, int head_dim, int kv_kind,
+                        int num_threads) {
     const int64_t width = (int64_t)(heads + 2 * kv_heads) * head_dim, row = (int64_t)kv_heads * head_dim;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
@@ -46,9 +48,26 @@ void pdserve_rope_store(float *qkv, float *q_out, const float *cos, const float 
         float *k = x + (int64_t)heads * head_dim, *v = k + row;
         for (int h = 0; h < kv_heads; h++) rope_head(k + (int64_t)h * head_dim, k + (int64_t)h * head_dim, c, s, head_dim);
         const int64_t at = slot_blocks[t] * block_stride + slot_offsets[t] * row;
-        for (int64_t i = 0; i < row; i++) {
-            k_cache[at + i] = k[i];
-            v_cache[at + i] = v[i];
+        if (kv_kind == KV_BF16) {
+            for (int64_t i = 0; i < row; i++) {
+                ((uint16_t *)k_cache)[at + i] = bf16_from_f32(k[i]);
+                ((uint16_t *)v_cache)[at + i] = bf16_from_f32(v[i]);
+            }
+        } else if (kv_kind == KV_E5M2) {
+            for (int64_t i = 0; i < row; i++) {
+                ((uint8_t *)k_cache)[at + i] = e5m2_from_f32(k[i]);
+                ((uint8_t *)v_cache)[at + i] = e5m2_from_f32(v[i]);
+            }
+        } else if (kv_kind == KV_F16) { /* C's conversion rounds to nearest even, as torch's does */
+            for (int64_t i = 0; i < row; i++) {
+                ((_Float16 *)k_cache)[at + i] = (_Float16)k[i];
+                ((_Float16 *)v_cache)[at + i] = (_Float16)v[i];
+            }
+        } else {
+            for (int64_t i = 0; i < row; i++) {
+                ((float *)k_cache)[at + i] = k[i];
+                ((float *)v_cache)[at + i] = v[i];
+            }
         }
     }
 }

@@ -25,12 +25,16 @@ def test_kernel_builds_where_a_compiler_is():
     assert not cpu_kernels.available(torch.device("cpu"), torch.bfloat16)  # fp32 only: others take SDPA
 
 
+KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2]
+
+
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 1, 32, 8)])
-def test_kernel_equals_gather_sdpa(heads, kv_heads, head_dim, block_size):
+def test_kernel_equals_gather_sdpa(heads, kv_heads, head_dim, block_size, kv_dtype):
     g = torch.Generator().manual_seed(heads * 100 + kv_heads)
     num_blocks, layers = 200, 3
-    cache = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=g)
+    cache = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
     k_cache, v_cache = cache[:, 1, 0], cache[:, 1, 1]  # a middle layer: blocks strided over all layers
     lens = [1, block_size, block_size + 1, 3 * block_size - 1, 57, 130]
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -70,9 +74,14 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
 @needs_kernel
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16)])
-def test_rope_store_equals_torch_bit_for_bit(heads, kv_heads, head_dim):
+def test_rope_store_equals_torch_bit_for_bit(heads, kv_heads, head_dim, kv_dtype):
     g = torch.Generator().manual_seed(heads)
     T, num_blocks, block_size, layers = 13, 40, 4, 3
     qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g)
@@ -83,7 +92,7 @@ def test_rope_store_equals_torch_bit_for_bit(heads, kv_heads, head_dim):
     cos, sin = emb.cos(), emb.sin()
     slot_blocks = torch.randperm(num_blocks, generator=g)[:T]
     slot_offsets = torch.randint(0, block_size, (T,), generator=g)
-    cache = torch.zeros(num_blocks, layers, 2, block_size, kv_heads, head_dim)
+    cache = torch.zeros(num_blocks, layers, 2, block_size, kv_heads, head_dim, dtype=kv_dtype)
     ref_cache = cache.clone()
     nq, nkv = heads * head_dim, kv_heads * head_dim
     q = qkv[:, :nq].view(T, heads, head_dim)
@@ -91,8 +100,8 @@ def test_rope_store_equals_torch_bit_for_bit(heads, kv_heads, head_dim):
     v = qkv[:, nq + nkv:].reshape(T, kv_heads, head_dim)
     c, s = cos.unsqueeze(1), sin.unsqueeze(1)
     want_q, want_k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
-    ref_cache[slot_blocks, 1, 0, slot_offsets] = want_k
-    ref_cache[slot_blocks, 1, 1, slot_offsets] = v
+    ref_cache[slot_blocks, 1, 0, slot_offsets] = want_k.to(kv_dtype)  # stored as torch rounds
+    ref_cache[slot_blocks, 1, 1, slot_offsets] = v.to(kv_dtype)
 
     got_q = torch.empty(T, heads, head_dim)
     v_before = v.clone()
@@ -100,7 +109,35 @@ def test_rope_store_equals_torch_bit_for_bit(heads, kv_heads, head_dim):
     assert torch.equal(got_q, want_q)
     assert torch.equal(qkv[:, nq:nq + nkv].view(T, kv_heads, head_dim), want_k)  # k rotated in place
     assert torch.equal(qkv[:, nq + nkv:].view(T, kv_heads, head_dim), v_before)  # v untouched
-    assert torch.equal(cache, ref_cache)  # only this layer's slots were written
+    assert torch.equal(_bytes(cache), _bytes(ref_cache))  # only this layer's slots were written
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES[1:], ids=str)
+def test_narrow_cache_rounds_as_torch_does(kv_dtype):
+    """Stores round to nearest even exactly as `.to(kv_dtype)`: ties, subnormals, overflow, inf, NaN."""
+    g = torch.Generator().manual_seed(7)
+    f = torch.cat([torch.randn(4000, generator=g) * 10.0 ** torch.randint(-9, 6, (4000,), generator=g),
+                   torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 57344.0, 61439.0, 61440.0,
+                                 65504.0, 65520.0, 1e6, 3e38, 2.0 ** -14, 2.0 ** -16, 2.0 ** -17, 1.5 * 2.0 ** -17,
+                                 2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 1e-30, 1.125, 1.375, 1.0 + 2.0 ** -8,
+                                 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11])])
+    f = torch.cat([f, -f])
+    head_dim = 64
+    T = -(-f.numel() // head_dim)
+    vals = torch.zeros(T * head_dim)
+    vals[:f.numel()] = f
+    # Stored through V (not rotated): T tokens, 1 q head, 1 kv head; K gets zeros.
+    qkv = torch.zeros(T, 3 * head_dim)
+    qkv[:, 2 * head_dim:] = vals.view(T, head_dim)
+    cos, sin = torch.ones(T, head_dim), torch.zeros(T, head_dim)
+    cache = torch.zeros(T, 1, 2, 1, 1, head_dim, dtype=kv_dtype)
+    cpu_kernels.rope_store(qkv, torch.empty(T, 1, head_dim), cos, sin, cache[:, 0, 0], cache[:, 0, 1],
+                           torch.arange(T), torch.zeros(T, dtype=torch.long), 1)
+    got, want = _bytes(cache[:, 0, 1].reshape(-1)), _bytes(vals.to(kv_dtype))
+    nan = torch.isnan(vals)
+    assert torch.equal(got[~nan.repeat_interleave(kv_dtype.itemsize)], want[~nan.repeat_interleave(kv_dtype.itemsize)])
+    assert torch.isnan(cache[:, 0, 1].reshape(-1)[nan].float()).all()  # NaN stays NaN (any payload)
 
 
 @needs_kernel

@@ -164,6 +164,7 @@ def test_peer_dies_mid_transfer(model_dir):
     pair.check()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e5m2"])  # the cache's elements (kv_cache_dtype)
 @pytest.mark.parametrize("backend", ["inproc", "gloo"])
 @pytest.mark.parametrize("src_ids,dst_ids", [
     ([4, 5, 6], [10, 11, 12]),  # both runs: zero copy on both sides
@@ -171,7 +172,7 @@ def test_peer_dies_mid_transfer(model_dir):
     ([4, 5, 6], [3, 0, 7]),  # sender sends from its cache, receiver stages and scatters
     ([6, 2, 9], [12, 1, 5]),  # both copy
 ])
-def test_blocks_arrive_intact_with_or_without_copies(src_ids, dst_ids, backend):
+def test_blocks_arrive_intact_with_or_without_copies(src_ids, dst_ids, backend, dtype):
     """Each side alone chooses zero copy (its ids are one run) or pack/stage; the bytes agree either way,
     also over real gloo sockets (two channels in this one process), where every chunk has its own tag."""
     import torch
@@ -180,8 +181,8 @@ def test_blocks_arrive_intact_with_or_without_copies(src_ids, dst_ids, backend):
     from kv_transfer.protocol import recv_kv, send_kv
 
     torch.manual_seed(0)
-    src = torch.randn(16, 3, 2, 4, 2, 5)  # [blocks, layers, K/V, block size, kv heads, head dim]
-    dst = torch.zeros(14, 3, 2, 4, 2, 5)
+    src = torch.randn(16, 3, 2, 4, 2, 5).to(getattr(torch, dtype))  # [blocks, layers, K/V, block size, kv heads, head dim]
+    dst = torch.zeros(14, 3, 2, 4, 2, 5, dtype=src.dtype)
     layout = KVLayout.of(src)
     leases = LeaseTable("P", layout, lambda rid: None)
     handle = leases.grant("r", src_ids, num_tokens=10, first_token=1)
@@ -202,6 +203,7 @@ def test_blocks_arrive_intact_with_or_without_copies(src_ids, dst_ids, backend):
     finally:
         tp.close()
         td.close()
-    assert torch.equal(dst[dst_ids], src[src_ids])
+    as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731 - fp8 has no torch.equal
+    assert torch.equal(as_bytes(dst[dst_ids]), as_bytes(src[src_ids]))
     untouched = [b for b in range(14) if b not in dst_ids]
-    assert not dst[untouched].any()
+    assert not as_bytes(dst[untouched]).any()
