@@ -8,6 +8,7 @@
 #ifndef PDSERVE_KV_TYPES_H
 #define PDSERVE_KV_TYPES_H
 
+#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -39,15 +40,32 @@ static inline __attribute__((always_inline)) v16 load16_bf16(const uint16_t *p) 
     return (v16)(__builtin_convertvector(*(const v16u16 *)p, v16u32) << 16);
 }
 
+/* 16 fp16 (as their bits) to fp32. NOTE: GCC's __builtin_convertvector from _Float16 converts one
+ * lane at a time (measured: decode attention on an fp8 cache read 2.8 GB/s); the vcvtph2ps intrinsics
+ * do 16 (AVX-512) or 8 (F16C) at once. */
+static inline __attribute__((always_inline)) v16 f16_bits_to_f32(v16u16 h) {
+#if defined(__AVX512F__)
+    return (v16)_mm512_cvtph_ps((__m256i)h);
+#elif defined(__F16C__)
+    const __m256i x = (__m256i)h;
+    const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(x)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(x, 1));
+    v16 r;
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+#else
+    return __builtin_convertvector((v16f16)h, v16);
+#endif
+}
+
 static inline __attribute__((always_inline)) v16 load16_f16(const _Float16 *p) {
-    v16f16 h;
+    v16u16 h;
     memcpy(&h, p, 32);
-    return __builtin_convertvector(h, v16);
+    return f16_bits_to_f32(h);
 }
 
 static inline __attribute__((always_inline)) v16 load16_e5m2(const uint8_t *p) {
-    const v16u16 h = __builtin_convertvector(*(const v16u8 *)p, v16u16) << 8; /* the fp16 it is the top of */
-    return __builtin_convertvector((v16f16)h, v16);
+    return f16_bits_to_f32(__builtin_convertvector(*(const v16u8 *)p, v16u16) << 8); /* the fp16 it is the top of */
 }
 
 /* One element to fp32. */

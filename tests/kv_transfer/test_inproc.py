@@ -19,9 +19,11 @@ PROMPTS = [[1 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate([3, 4
 class Pair:
     """Prefill engine P and decode engine D joined by in-process channels."""
 
-    def __init__(self, model_dir: str, lease_s: float = 30.0):
-        self.p = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, block_size=4, num_threads=1))
-        self.d = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=48, block_size=4, num_threads=1))
+    def __init__(self, model_dir: str, lease_s: float = 30.0, kv_cache_dtype: str = "auto"):
+        self.p = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=64, block_size=4, num_threads=1,
+                                        kv_cache_dtype=kv_cache_dtype))
+        self.d = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=48, block_size=4, num_threads=1,
+                                        kv_cache_dtype=kv_cache_dtype))
         self.d_pad = self.d.allocate_blocks(12)  # so the decode side's block ids differ from the sender's
         hub = InProcHub()
         self.hub = hub
@@ -63,6 +65,14 @@ def _run(engine: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
+def _single_engine(model_dir: str, kv_cache_dtype: str = "auto") -> dict[str, list[int]]:
+    eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=128, block_size=4, num_threads=1,
+                                 kv_cache_dtype=kv_cache_dtype))
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, PARAMS)
+    return _run(eng)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir):
     return tiny_model_dir("llama")
@@ -70,14 +80,15 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    eng = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=128, block_size=4, num_threads=1))
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(f"r{i}", p, PARAMS)
-    return _run(eng)
+    return _single_engine(model_dir)
 
 
-def test_transfer_then_decode_matches_single_engine(model_dir, reference):
-    pair = Pair(model_dir)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8_e5m2"])
+def test_transfer_then_decode_matches_single_engine(model_dir, reference, kv_cache_dtype):
+    """Disaggregated (prefill on P, KV moved, decode on D) equals one engine, for any KV element type."""
+    pair = Pair(model_dir, kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype != "auto":
+        reference = _single_engine(model_dir, kv_cache_dtype)
     for i, prompt in enumerate(PROMPTS):
         h = pair.prefill(f"r{i}", prompt)
         ids = pair.receiver.receive(h, pair.start_push(h))
