@@ -38,8 +38,10 @@ _SOURCES = ((_CSRC / "paged_decode_cpu.c", ()), (_CSRC / "decode_ops_cpu.c", ("-
 _KV_KINDS = {torch.float32: (0, "f32"), torch.bfloat16: (1, "bf16"), torch.float8_e5m2: (2, "e5m2"),
              torch.float16: (3, "f16")}
 _lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
+# Loaded libraries by shape: None is the generic one (fused ops, and decode attention one element at a
+# time); (group, head_dim) adds the register-resident decode path for that shape only, so a build
+# compiles 4 copies of it (one per KV type), not every shape's: a few seconds, not a minute.
+_libs: dict[tuple[int, int] | None, ctypes.CDLL | None] = {}
 
 
 def _cpu_flags() -> str:
@@ -56,14 +58,16 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
-def _build(cc: str) -> Path:
+def _build(cc: str, shape: tuple[int, int] | None) -> Path:
     torch_lib = Path(torch.__file__).parent / "lib"
     gomp = next(iter(sorted(torch_lib.glob("libgomp*.so*"))), None)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     parts = [f"{src.read_text()}{flags}" for src, flags in _SOURCES] + [h.read_text() for h in sorted(_CSRC.glob("*.h"))]
-    key = hashlib.sha256("\0".join([*parts, version, _cpu_flags(), str(gomp)]).encode()).hexdigest()[:16]
+    defines = [] if shape is None else [f"-DPDSERVE_GROUP={shape[0]}", f"-DPDSERVE_HEAD_DIM={shape[1]}"]
+    key = hashlib.sha256("\0".join([*parts, version, _cpu_flags(), str(gomp), *defines]).encode()).hexdigest()[:16]
     root = os.environ.get("PDSERVE_CACHE_DIR") or os.path.join(Path.home(), ".cache", "pdserve")
-    out = Path(root) / "kernels" / f"paged_decode_cpu-{key}.so"
+    tag = "generic" if shape is None else f"g{shape[0]}-d{shape[1]}"
+    out = Path(root) / "kernels" / f"pdserve_cpu-{tag}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -73,8 +77,8 @@ def _build(cc: str) -> Path:
         objs = []
         for i, (src, extra) in enumerate(_SOURCES):
             objs.append(str(Path(tmp) / f"k{i}.o"))
-            subprocess.run([cc, *flags, *extra, f"-I{_CSRC}", "-c", str(src), "-o", objs[-1]], check=True, capture_output=True,
-                           timeout=120)
+            subprocess.run([cc, *flags, *extra, *defines, f"-I{_CSRC}", "-c", str(src), "-o", objs[-1]], check=True,
+                           capture_output=True, timeout=300)
         # Link to torch's own libgomp when it ships one: the soname matches the copy already loaded in
         # this process, so there is one OpenMP runtime, not two thread pools spinning against each other.
         link = [f"-L{gomp.parent}", f"-l:{gomp.name}", f"-Wl,-rpath,{gomp.parent}"] if gomp else ["-fopenmp"]
@@ -84,24 +88,26 @@ def _build(cc: str) -> Path:
     return out
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
+def _load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
+    """The library for `shape` ((query heads per KV head, head_dim), or None: generic), built on first use."""
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
+        if shape in _libs:
+            return _libs[shape]
+        _libs[shape] = None
         if os.environ.get("PDSERVE_CPU_KERNELS", "1") in ("0", "false", "no"):
             return None
         cc = _compiler()
         if cc is None:
-            logger.warning("no C compiler: decode attention and the per-token ops use the slower torch path")
+            if shape is None:
+                logger.warning("no C compiler: decode attention and the per-token ops use the slower torch path")
             return None
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(_build(cc, shape)))
         except Exception as exc:  # noqa: BLE001 - any build or load failure: keep the torch path
             detail = getattr(exc, "stderr", b"") or b""
-            logger.warning("building the CPU kernels failed (%r %s); using the torch path (gather + SDPA)",
-                           exc, detail.decode(errors="replace")[-500:])
+            logger.warning("building the CPU kernels (%s) failed (%r %s); using %s", shape or "generic", exc,
+                           detail.decode(errors="replace")[-500:],
+                           "the torch path (gather + SDPA)" if shape is None else "the generic decode attention")
             return None
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         for suffix in _KV_KINDS.values():
@@ -114,8 +120,20 @@ def _load() -> ctypes.CDLL | None:
         lib.pdserve_add_rmsnorm.argtypes = [p, p, p, f32, p, i32, i32, i32]
         lib.pdserve_silu_mul.restype = None
         lib.pdserve_silu_mul.argtypes = [p, p, i32, i32, i32]
-        _lib = lib
+        _libs[shape] = lib
         return lib
+
+
+def _register_shape(group: int, head_dim: int) -> tuple[int, int] | None:
+    """The shapes the kernel keeps in vector registers (see PDSERVE_GROUP in paged_decode_impl.h)."""
+    return (group, head_dim) if 1 <= group <= 8 and head_dim % 32 == 0 and head_dim <= 128 else None
+
+
+def prepare_decode(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Build (or load from the cache) the decode attention specialised for this model's shape; False
+    when the shape has no register path or the build failed (the generic kernel still runs)."""
+    shape = _register_shape(heads // kv_heads, head_dim)
+    return shape is not None and _load(shape) is not None
 
 
 def available(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bool:
@@ -133,10 +151,10 @@ def paged_decode(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_ca
     cache, [num_blocks, block_size, kv_heads, head_dim] (dims 1-3 contiguous, blocks strided), in any
     of the element types fp32, bf16, fp16 and fp8 e5m2;
     tables: [n, max_blocks] int32 block ids; lens: [n] int32 context lengths (new token included)."""
-    lib = _load()
-    assert lib is not None, "paged_decode called without available()"
     n, heads, head_dim = q.shape
     _, block_size, kv_heads, hd = k_cache.shape
+    lib = _libs.get(_register_shape(heads // kv_heads, head_dim)) or _load()
+    assert lib is not None, "paged_decode called without available()"
     assert hd == head_dim and q.is_contiguous() and out.is_contiguous() and q.dtype == torch.float32
     assert k_cache.stride()[1:] == (kv_heads * head_dim, head_dim, 1) and k_cache.stride() == v_cache.stride()
     assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()

@@ -103,6 +103,8 @@ class ModelRunner:
         # Decode attention through the compiled CPU kernel (one read of the cache, no gather) when it
         # builds here; otherwise the gather + SDPA path. Tests switch it to compare the two.
         self.paged_decode = cpu_kernels.available(self.device, self.dtype, self.kv_dtype)
+        if self.paged_decode:  # the attention specialised for this shape, compiled now, not at the first step
+            cpu_kernels.prepare_decode(self.num_heads, self.num_kv_heads, self.head_dim)
         # The fused per-token ops (rotary + KV write, residual add + RMSNorm, SiLU x up), from the same
         # library, where the model's modules are the plain ones they replace. Tests switch it off to compare.
         self.fused_ops = self.paged_decode

@@ -26,26 +26,87 @@ static inline __attribute__((always_inline)) float hsum16(v16 x) {
     return x[0];
 }
 
+/* 32 elements to fp32, as two vectors whose lanes may hold the elements in another order: PERM[j]
+ * is the element in lane j of the pair (lanes 16-31: the second vector). Dot products and weighted
+ * sums of rows do not care about the order, as long as the query is permuted the same way and the
+ * output permuted back; narrow types then widen with one unpack per vector instead of a zero-extend,
+ * an insert and a shift. */
+static const int perm_identity[32] = {0,  1,  2,  3,  4,  5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15,
+                                      16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+
+static inline __attribute__((always_inline)) void load32_f32(const float *p, v16 *a, v16 *b) {
+    *a = load16_f32(p);
+    *b = load16_f32(p + 16);
+}
+
+static inline __attribute__((always_inline)) void load32_f16(const _Float16 *p, v16 *a, v16 *b) {
+    *a = load16_f16(p);
+    *b = load16_f16(p + 16);
+}
+
+#if defined(__AVX512BW__)
+/* bf16: interleaving zero words below each bf16 word makes it the top half of an fp32; the unpack
+ * works within 128-bit lanes (4 words of 8 each go to the low vector). */
+static const int perm_bf16[32] = {0, 1, 2,  3,  8,  9,  10, 11, 16, 17, 18, 19, 24, 25, 26, 27,
+                                  4, 5, 6,  7,  12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+
+static inline __attribute__((always_inline)) void load32_bf16(const uint16_t *p, v16 *a, v16 *b) {
+    const __m512i x = _mm512_loadu_si512((const void *)p), z = _mm512_setzero_si512();
+    *a = (v16)_mm512_castsi512_ps(_mm512_unpacklo_epi16(z, x));
+    *b = (v16)_mm512_castsi512_ps(_mm512_unpackhi_epi16(z, x));
+}
+
+/* fp8 e5m2: a zero byte below each makes it an fp16 (8 of each 16 bytes to the low half), then one
+ * vcvtph2ps per 16. */
+static const int perm_e5m2[32] = {0, 1, 2,  3,  4,  5,  6,  7,  16, 17, 18, 19, 20, 21, 22, 23,
+                                  8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+
+static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, v16 *a, v16 *b) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
+    *a = (v16)_mm512_cvtph_ps(_mm256_unpacklo_epi8(z, x));
+    *b = (v16)_mm512_cvtph_ps(_mm256_unpackhi_epi8(z, x));
+}
+#else
+#define perm_bf16 perm_identity
+#define perm_e5m2 perm_identity
+static inline __attribute__((always_inline)) void load32_bf16(const uint16_t *p, v16 *a, v16 *b) {
+    *a = load16_bf16(p);
+    *b = load16_bf16(p + 16);
+}
+static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, v16 *a, v16 *b) {
+    *a = load16_e5m2(p);
+    *b = load16_e5m2(p + 16);
+}
+#endif
+
 #define KV_T float
 #define KV_NAME(x) x##_f32
 #define KV_LOAD16 load16_f32
+#define KV_LOAD32 load32_f32
+#define KV_PERM perm_identity
 #define KV_LOAD1 load1_f32
 #include "paged_decode_impl.h"
 
 #define KV_T uint16_t
 #define KV_NAME(x) x##_bf16
 #define KV_LOAD16 load16_bf16
+#define KV_LOAD32 load32_bf16
+#define KV_PERM perm_bf16
 #define KV_LOAD1 load1_bf16
 #include "paged_decode_impl.h"
 
 #define KV_T uint8_t
 #define KV_NAME(x) x##_e5m2
 #define KV_LOAD16 load16_e5m2
+#define KV_LOAD32 load32_e5m2
+#define KV_PERM perm_e5m2
 #define KV_LOAD1 load1_e5m2
 #include "paged_decode_impl.h"
 
 #define KV_T _Float16
 #define KV_NAME(x) x##_f16
 #define KV_LOAD16 load16_f16
+#define KV_LOAD32 load32_f16
+#define KV_PERM perm_identity
 #define KV_LOAD1 load1_f16
 #include "paged_decode_impl.h"

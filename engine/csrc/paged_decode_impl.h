@@ -1,6 +1,7 @@
 /* Body of the paged decode kernel, for one KV element type. Included by paged_decode_cpu.c once per
- * type, with KV_T (the element), KV_NAME(x) (x with the type's suffix), KV_LOAD16 and KV_LOAD1 (16
- * elements, one element, to fp32) defined; they are undefined at the end. No include guard: on purpose. */
+ * type, with KV_T (the element), KV_NAME(x) (x with the type's suffix), KV_LOAD32 (32 elements to
+ * two fp32 vectors, lanes in the order KV_PERM) and KV_LOAD1 (one element to fp32) defined; they are
+ * undefined at the end. No include guard: on purpose. */
 
 /* One sequence, one KV head and the `G` query heads that share it, head_dim = 16 * D4. G and D4 are
  * constants at each call site (see ATTEND), so the queries and the output stay in vector registers
@@ -19,9 +20,11 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_group)(
     const int32_t *table, int len, int block_size, int64_t row, float scale, float *restrict scores, const int G,
     const int D4) {
     const int line = 64 / (int)sizeof(KV_T); /* elements per cache line: one prefetch each */
+    /* The queries in the lane order of KV_LOAD32: chunk c of 32 is vectors 2c and 2c + 1. */
     v16 qv[8][8];
     for (int g = 0; g < G; g++)
-        for (int i = 0; i < D4; i++) qv[g][i] = *(const v16 *)(qs + g * 16 * D4 + 16 * i) * scale;
+        for (int i = 0; i < D4; i++)
+            for (int j = 0; j < 16; j++) qv[g][i][j] = qs[g * 16 * D4 + 32 * (i / 2) + KV_PERM[16 * (i & 1) + j]] * scale;
     for (int b = 0, t = 0; t < len; b++) {
         const KV_T *kb = k + (int64_t)table[b] * block_stride;
         const int cnt = len - t < block_size ? len - t : block_size;
@@ -29,12 +32,12 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_group)(
         for (int o = 0; o < cnt; o++, t++) {
             const KV_T *kr = kb + o * row;
             for (int i = 0; i < 16 * D4; i += line) __builtin_prefetch(kn + o * row + i, 0, 1);
-            v16 acc[8];
-            const v16 k0 = KV_LOAD16(kr);
-            for (int g = 0; g < G; g++) acc[g] = qv[g][0] * k0;
-            for (int i = 1; i < D4; i++) {
-                const v16 ki = KV_LOAD16(kr + 16 * i);
-                for (int g = 0; g < G; g++) acc[g] += qv[g][i] * ki;
+            v16 acc[8], x0, x1;
+            KV_LOAD32(kr, &x0, &x1);
+            for (int g = 0; g < G; g++) acc[g] = qv[g][0] * x0 + qv[g][1] * x1;
+            for (int i = 2; i < D4; i += 2) {
+                KV_LOAD32(kr + 16 * i, &x0, &x1);
+                for (int g = 0; g < G; g++) acc[g] += qv[g][i] * x0 + qv[g][i + 1] * x1;
             }
             for (int g = 0; g < G; g++) scores[g * ((len + 15) & ~15) + t] = hsum16(acc[g]);
         }
@@ -76,14 +79,20 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_group)(
         for (int o = 0; o < cnt; o++, t++) {
             const KV_T *vr = vb + o * row;
             for (int i = 0; i < 16 * D4; i += line) __builtin_prefetch(vn + o * row + i, 0, 1);
-            for (int i = 0; i < D4; i++) {
-                const v16 vi = KV_LOAD16(vr + 16 * i);
-                for (int g = 0; g < G; g++) ov[g][i] += scores[g * ls + t] * vi;
+            for (int i = 0; i < D4; i += 2) {
+                v16 x0, x1;
+                KV_LOAD32(vr + 16 * i, &x0, &x1);
+                for (int g = 0; g < G; g++) {
+                    const float p = scores[g * ls + t];
+                    ov[g][i] += p * x0;
+                    ov[g][i + 1] += p * x1;
+                }
             }
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < D4; i++) *(v16 *)(os + g * 16 * D4 + 16 * i) = ov[g][i];
+    for (int g = 0; g < G; g++) /* back to the natural order */
+        for (int i = 0; i < D4; i++)
+            for (int j = 0; j < 16; j++) os[g * 16 * D4 + 32 * (i / 2) + KV_PERM[16 * (i & 1) + j]] = ov[g][i][j];
 }
 
 #ifndef PDSERVE_ATTEND
@@ -95,7 +104,6 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_group)(
                row, scale, scores, (G_), (D4_));                                                            \
         continue;                                                                                           \
     }
-#define PDSERVE_ATTEND_D(fn, G_) PDSERVE_ATTEND(fn, G_, 2) PDSERVE_ATTEND(fn, G_, 4) PDSERVE_ATTEND(fn, G_, 8)
 #endif
 
 /* q, out: [n, heads, head_dim] contiguous; tables: [n, table_stride] int32 block ids; lens: [n] context
@@ -122,11 +130,12 @@ int KV_NAME(pdserve_paged_decode)(const float *q, float *out, const KV_T *k, con
             const int32_t *table = tables + (int64_t)s * table_stride;
             const float *qs = q + (int64_t)s * heads * head_dim;
             float *os = out + (int64_t)s * heads * head_dim;
-            /* Common shapes (head_dim 32/64/128, up to 8 query heads per KV head): the register path. */
-            PDSERVE_ATTEND_D(KV_NAME(attend_group), 1) PDSERVE_ATTEND_D(KV_NAME(attend_group), 2)
-            PDSERVE_ATTEND_D(KV_NAME(attend_group), 3) PDSERVE_ATTEND_D(KV_NAME(attend_group), 4)
-            PDSERVE_ATTEND_D(KV_NAME(attend_group), 5) PDSERVE_ATTEND_D(KV_NAME(attend_group), 6)
-            PDSERVE_ATTEND_D(KV_NAME(attend_group), 7) PDSERVE_ATTEND_D(KV_NAME(attend_group), 8)
+            /* The model's shape, when the library was built for it (cpu_kernels.prepare_decode: head_dim
+             * a multiple of 32 up to 128, up to 8 query heads per KV head): the register path. One
+             * shape per build: every shape, four KV types each, took a minute to compile. */
+#if defined(PDSERVE_GROUP) && defined(PDSERVE_HEAD_DIM)
+            PDSERVE_ATTEND(KV_NAME(attend_group), PDSERVE_GROUP, PDSERVE_HEAD_DIM / 16)
+#endif
             /* Any other shape, one element at a time. scores[h * len + t] = scale * q_h . k_t */
             for (int t = 0; t < len; t++) {
                 const int b = t / block_size, o = t - b * block_size;
@@ -180,4 +189,6 @@ int KV_NAME(pdserve_paged_decode)(const float *q, float *out, const KV_T *k, con
 #undef KV_T
 #undef KV_NAME
 #undef KV_LOAD16
+#undef KV_LOAD32
+#undef KV_PERM
 #undef KV_LOAD1

@@ -32,6 +32,8 @@ KV_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2]
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (4, 4, 16, 4), (8, 1, 32, 8)])
 def test_kernel_equals_gather_sdpa(heads, kv_heads, head_dim, block_size, kv_dtype):
+    # head_dim 64 and 32: the register path built for the shape; 16: the generic one
+    assert cpu_kernels.prepare_decode(heads, kv_heads, head_dim) == (head_dim != 16)
     g = torch.Generator().manual_seed(heads * 100 + kv_heads)
     num_blocks, layers = 200, 3
     cache = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, generator=g).to(kv_dtype)
