@@ -7,9 +7,12 @@
  * constants at each call site (see ATTEND), so the queries and the output stay in vector registers
  * while the sequence's K rows, then its V rows, stream past once. `k`/`v` point at this KV head's
  * slice of block 0; `row` is the distance between consecutive tokens of a block.
- * NOTE: the next block is prefetched into L2 (locality 1), not L1: measured at batch 64 x 274 tokens,
- * 30 layers replayed from DRAM, 1.14 vs 1.58 ms a layer; L1 prefetches seem to queue behind the demand
- * misses of the current block. A whole-row prefetch (every KV head) or two blocks ahead gained nothing. */
+ * NOTE: rows are prefetched two blocks ahead (block 1 is not: 1 of 18 at 274 tokens), into L2
+ * (locality 1), not L1: measured at batch 64 x 274 tokens, 30 layers replayed from DRAM, 1.14 vs 1.58
+ * ms a layer; L1 prefetches seem to queue behind the demand misses of the current block. Two ahead
+ * against one, interleaved in one process (batch 128 x 274 tokens, scattered blocks, 30 layers, median
+ * of 8): fp32 88.2 vs 89.4 ms, bf16 47.9 vs 51.3, fp8 40.2 vs 43.3; three ahead no better. A whole-row
+ * prefetch (every KV head) gained nothing. */
 /* NOTE: the register arrays are sized for the largest G and D4 (8, 8), not [G][D4]: G and D4 are
  * function parameters, so [G][D4] arrays are variable-length, and GCC keeps those on the stack even
  * where G and D4 are constants after inlining: the V pass then loaded and stored its accumulators
@@ -28,7 +31,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_group)(
     for (int b = 0, t = 0; t < len; b++) {
         const KV_T *kb = k + (int64_t)table[b] * block_stride;
         const int cnt = len - t < block_size ? len - t : block_size;
-        const KV_T *kn = t + block_size < len ? k + (int64_t)table[b + 1] * block_stride : kb;
+        const KV_T *kn = t + 2 * block_size < len ? k + (int64_t)table[b + 2] * block_stride : kb;
         for (int o = 0; o < cnt; o++, t++) {
             const KV_T *kr = kb + o * row;
             for (int i = 0; i < 16 * D4; i += line) __builtin_prefetch(kn + o * row + i, 0, 1);
@@ -75,7 +78,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_group)(
     for (int b = 0, t = 0; t < len; b++) {
         const KV_T *vb = v + (int64_t)table[b] * block_stride;
         const int cnt = len - t < block_size ? len - t : block_size;
-        const KV_T *vn = t + block_size < len ? v + (int64_t)table[b + 1] * block_stride : vb;
+        const KV_T *vn = t + 2 * block_size < len ? v + (int64_t)table[b + 2] * block_stride : vb;
         for (int o = 0; o < cnt; o++, t++) {
             const KV_T *vr = vb + o * row;
             for (int i = 0; i < 16 * D4; i += line) __builtin_prefetch(vn + o * row + i, 0, 1);
