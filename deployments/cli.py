@@ -52,7 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # a bad setting: its message names the field; no traceback
+        from engine.errors import EngineConfigError
+
+        if not isinstance(exc, EngineConfigError):
+            raise
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

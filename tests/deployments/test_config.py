@@ -36,3 +36,14 @@ def test_prefill_settings_reach_the_right_engines():
         ServeConfig(local_prefill_max_tokens=-1)
     with pytest.raises(EngineConfigError, match="max_prefill_tokens_per_step"):
         ServeConfig(decode_max_prefill_tokens=0)
+
+
+def test_kv_cache_dtype_reaches_every_engine_and_a_bad_one_is_a_clean_cli_error(capsys):
+    cfg = ServeConfig(kv_cache_dtype="bfloat16")
+    assert cfg.engine_config("decode").kv_cache_dtype == "bfloat16"
+    assert cfg.engine_config("prefill").kv_cache_dtype == "bfloat16"  # both pools: the KV that moves matches
+    from deployments.cli import main
+
+    assert main(["serve", "--kv-cache-dtype", "int4"]) == 2  # refused before Ray starts
+    err = capsys.readouterr().err
+    assert "kv_cache_dtype='int4'" in err and "Traceback" not in err
