@@ -1,6 +1,6 @@
 """CPU kernels of our own, compiled on first use with the system C compiler and loaded with ctypes.
 
-Two sources, one library:
+Two sources, built into one library per model shape (see `_libs`):
   * `csrc/paged_decode_cpu.c`: decode attention read straight from the paged KV cache, one copy of
     `csrc/paged_decode_impl.h` per KV element type (fp32, bf16, fp16, fp8 e5m2: `csrc/kv_types.h`);
   * `csrc/decode_ops_cpu.c`: the small per-token ops of a layer, fused (rotary embedding + KV-cache
@@ -8,9 +8,10 @@ Two sources, one library:
     ones round exactly as torch's do;
   * `csrc/vec_math.h`: the vector exp both use.
 The queries, activations and all the math are fp32; only the cache's elements may be narrower.
-The library is built for the machine it runs on (`-march=native`), cached under
-`~/.cache/pdserve/kernels` (or `$PDSERVE_CACHE_DIR/kernels`) keyed by the sources, the compiler, and
-the CPU's flags, and linked to the OpenMP runtime torch already loaded, so both share one thread pool.
+A library is built for the machine it runs on (`-march=native`) and, for decode attention's register
+path, for one (query heads per KV head, head_dim) shape (`prepare_decode`); it is cached under
+`~/.cache/pdserve/kernels` (or `$PDSERVE_CACHE_DIR/kernels`) keyed by the sources, the shape, the
+compiler, and the CPU's flags, and linked to the OpenMP runtime torch already loaded, so both share one thread pool.
 Without a compiler, or with `PDSERVE_CPU_KERNELS=0`, the engine keeps its pure-torch path (gather +
 SDPA, torch ops): same results up to rounding, slower.
 """

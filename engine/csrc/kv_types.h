@@ -1,14 +1,17 @@
 /* The element types a KV cache can hold, and their conversions to and from fp32.
  *
  * fp32: the model's own precision (the default). bf16: the top half of an fp32, and fp16: IEEE
- * half precision, both half the bytes. fp8 e5m2: the top byte of an fp16, a quarter of the bytes. Decode attention is bound by reading
- * the cache, so fewer bytes per element is a faster step; the math stays fp32.
+ * half precision, both half the bytes. fp8 e5m2: the top byte of an fp16, a quarter of the bytes.
+ * Decode attention is bound by reading the cache, so fewer bytes per element is a faster step; the
+ * math stays fp32.
  * Stores round to nearest even exactly as torch's `.to(dtype)` does (tests compare bit for bit).
  */
 #ifndef PDSERVE_KV_TYPES_H
 #define PDSERVE_KV_TYPES_H
 
+#if defined(__AVX512F__) || defined(__F16C__) /* x86 intrinsics; other CPUs take the portable code */
 #include <immintrin.h>
+#endif
 #include <stdint.h>
 #include <string.h>
 

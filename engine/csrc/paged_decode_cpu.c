@@ -81,7 +81,6 @@ static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, 
 
 #define KV_T float
 #define KV_NAME(x) x##_f32
-#define KV_LOAD16 load16_f32
 #define KV_LOAD32 load32_f32
 #define KV_PERM perm_identity
 #define KV_LOAD1 load1_f32
@@ -89,7 +88,6 @@ static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, 
 
 #define KV_T uint16_t
 #define KV_NAME(x) x##_bf16
-#define KV_LOAD16 load16_bf16
 #define KV_LOAD32 load32_bf16
 #define KV_PERM perm_bf16
 #define KV_LOAD1 load1_bf16
@@ -97,7 +95,6 @@ static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, 
 
 #define KV_T uint8_t
 #define KV_NAME(x) x##_e5m2
-#define KV_LOAD16 load16_e5m2
 #define KV_LOAD32 load32_e5m2
 #define KV_PERM perm_e5m2
 #define KV_LOAD1 load1_e5m2
@@ -105,7 +102,6 @@ static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, 
 
 #define KV_T _Float16
 #define KV_NAME(x) x##_f16
-#define KV_LOAD16 load16_f16
 #define KV_LOAD32 load32_f16
 #define KV_PERM perm_identity
 #define KV_LOAD1 load1_f16

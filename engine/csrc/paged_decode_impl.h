@@ -191,7 +191,6 @@ int KV_NAME(pdserve_paged_decode)(const float *q, float *out, const KV_T *k, con
 
 #undef KV_T
 #undef KV_NAME
-#undef KV_LOAD16
 #undef KV_LOAD32
 #undef KV_PERM
 #undef KV_LOAD1
