@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kv_types.h"
 
@@ -24,6 +25,22 @@ static inline __attribute__((always_inline)) float hsum16(v16 x) {
     x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
     return x[0];
+}
+
+/* The lane sums of four vectors, stored to out[0..3]: three rounds of shuffles and adds for the four,
+ * where one hsum16 each takes four rounds apiece. */
+static inline __attribute__((always_inline)) void hsum4x16(v16 a, v16 b, v16 c, v16 d, float *out) {
+    const v16 ab = __builtin_shuffle(a, b, (v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+                   __builtin_shuffle(a, b, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    const v16 cd = __builtin_shuffle(c, d, (v16i){0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+                   __builtin_shuffle(c, d, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+    /* lanes 4i..4i+3: four partial sums of vector i (a, b, c, d) */
+    v16 x = __builtin_shuffle(ab, cd, (v16i){0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+            __builtin_shuffle(ab, cd, (v16i){4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+    x += __builtin_shuffle(x, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    x += __builtin_shuffle(x, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    const v16 r = __builtin_shuffle(x, (v16i){0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12});
+    memcpy(out, &r, 16);
 }
 
 /* 32 elements to fp32, as two vectors whose lanes may hold the elements in another order: PERM[j]

@@ -3,51 +3,78 @@
  * two fp32 vectors, lanes in the order KV_PERM) and KV_LOAD1 (one element to fp32) defined; they are
  * undefined at the end. No include guard: on purpose. */
 
-/* One sequence, one KV head and the `G` query heads that share it, head_dim = 16 * D4. G and D4 are
- * constants at each call site (see ATTEND), so the queries and the output stay in vector registers
- * while the sequence's K rows, then its V rows, stream past once. `k`/`v` point at this KV head's
- * slice of block 0; `row` is the distance between consecutive tokens of a block.
+/* One sequence, every KV head, head_dim = 16 * D4 and G query heads per KV head. G and D4 are
+ * constants at each call site (see ATTEND), so one KV head's queries (then its outputs) sit in vector
+ * registers while the rows of a block stream past. The blocks are walked in order and each is read
+ * whole, all its KV heads before the next block: a block's K (or V) plane of a layer is one contiguous
+ * run of block_size rows of kv_heads * head_dim elements, which the hardware streams far better than
+ * the head_dim-wide slices of every row that one KV head at a time reads (measured below). `k`/`v`
+ * point at this layer's K/V plane of block 0; `row` is the distance between consecutive tokens of a
+ * block. `scores` holds heads x ((len + 15) & ~15) floats, `acc` heads x head_dim.
  * NOTE: rows are prefetched two blocks ahead (block 1 is not: 1 of 18 at 274 tokens), into L2
- * (locality 1), not L1: measured at batch 64 x 274 tokens, 30 layers replayed from DRAM, 1.14 vs 1.58
- * ms a layer; L1 prefetches seem to queue behind the demand misses of the current block. Two ahead
- * against one, interleaved in one process (batch 128 x 274 tokens, scattered blocks, 30 layers, median
- * of 8): fp32 88.2 vs 89.4 ms, bf16 47.9 vs 51.3, fp8 40.2 vs 43.3; three ahead no better. A whole-row
- * prefetch (every KV head) gained nothing. */
-/* NOTE: the register arrays are sized for the largest G and D4 (8, 8), not [G][D4]: G and D4 are
+ * (locality 1), not L1: L1 prefetches seem to queue behind the demand misses of the current block.
+ * Two blocks ahead against one, interleaved (batch 128 x 274 tokens, scattered blocks, 30 layers):
+ * fp32 88.2 vs 89.4 ms, bf16 47.9 vs 51.3, fp8 40.2 vs 43.3 (when this kernel still read one KV head
+ * at a time); three ahead no better.
+ * NOTE: the register arrays are sized for the largest G and D4 (8, 8), not [G][D4]: G and D4 are
  * function parameters, so [G][D4] arrays are variable-length, and GCC keeps those on the stack even
  * where G and D4 are constants after inlining: the V pass then loaded and stored its accumulators
  * around every FMA (1.3x slower per row, L2-resident). Fixed sizes with constant indices after
  * unrolling become registers. */
-static inline __attribute__((always_inline)) void KV_NAME(attend_group)(
+static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
     const float *restrict qs, float *restrict os, const KV_T *k, const KV_T *v, int64_t block_stride,
-    const int32_t *table, int len, int block_size, int64_t row, float scale, float *restrict scores, const int G,
-    const int D4) {
+    const int32_t *table, int len, int block_size, int kv_heads, float scale, float *restrict scores,
+    float *restrict acc, const int G, const int D4) {
     const int line = 64 / (int)sizeof(KV_T); /* elements per cache line: one prefetch each */
-    /* The queries in the lane order of KV_LOAD32: chunk c of 32 is vectors 2c and 2c + 1. */
-    v16 qv[8][8];
-    for (int g = 0; g < G; g++)
+    const int hd = 16 * D4, heads = kv_heads * G;
+    const int64_t row = (int64_t)kv_heads * hd;
+    const int ls = (len + 15) & ~15; /* each head's scores start on a whole vector */
+    /* The queries, scaled, in the lane order of KV_LOAD32: chunk c of 32 is vectors 2c and 2c + 1. */
+    for (int h = 0; h < heads; h++)
         for (int i = 0; i < D4; i++)
-            for (int j = 0; j < 16; j++) qv[g][i][j] = qs[g * 16 * D4 + 32 * (i / 2) + KV_PERM[16 * (i & 1) + j]] * scale;
-    for (int b = 0, t = 0; t < len; b++) {
+            for (int j = 0; j < 16; j++)
+                acc[h * hd + 16 * i + j] = qs[h * hd + 32 * (i / 2) + KV_PERM[16 * (i & 1) + j]] * scale;
+    for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {
         const KV_T *kb = k + (int64_t)table[b] * block_stride;
-        const int cnt = len - t < block_size ? len - t : block_size;
-        const KV_T *kn = t + 2 * block_size < len ? k + (int64_t)table[b + 2] * block_stride : kb;
-        for (int o = 0; o < cnt; o++, t++) {
-            const KV_T *kr = kb + o * row;
-            for (int i = 0; i < 16 * D4; i += line) __builtin_prefetch(kn + o * row + i, 0, 1);
-            v16 acc[8], x0, x1;
-            KV_LOAD32(kr, &x0, &x1);
-            for (int g = 0; g < G; g++) acc[g] = qv[g][0] * x0 + qv[g][1] * x1;
-            for (int i = 2; i < D4; i += 2) {
-                KV_LOAD32(kr + 16 * i, &x0, &x1);
-                for (int g = 0; g < G; g++) acc[g] += qv[g][i] * x0 + qv[g][i + 1] * x1;
+        const int cnt = len - t0 < block_size ? len - t0 : block_size;
+        const KV_T *kn = t0 + 2 * block_size < len ? k + (int64_t)table[b + 2] * block_stride : kb;
+        for (int kh = 0; kh < kv_heads; kh++) {
+            v16 qv[8][8];
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < D4; i++) qv[g][i] = *(const v16 *)(acc + (kh * G + g) * hd + 16 * i);
+            float *sc = scores + (int64_t)kh * G * ls + t0;
+            int o = 0;
+            /* Four rows at a time: their dot products are summed across lanes together (hsum4x16). */
+            for (; o + 4 <= cnt; o += 4) {
+                v16 a[4][8], x0, x1;
+                for (int r = 0; r < 4; r++) {
+                    const KV_T *kr = kb + (o + r) * row + kh * hd;
+                    for (int i = 0; i < hd; i += line) __builtin_prefetch(kn + (o + r) * row + kh * hd + i, 0, 1);
+                    KV_LOAD32(kr, &x0, &x1);
+                    for (int g = 0; g < G; g++) a[r][g] = qv[g][0] * x0 + qv[g][1] * x1;
+                    for (int i = 2; i < D4; i += 2) {
+                        KV_LOAD32(kr + 16 * i, &x0, &x1);
+                        for (int g = 0; g < G; g++) a[r][g] += qv[g][i] * x0 + qv[g][i + 1] * x1;
+                    }
+                }
+                for (int g = 0; g < G; g++) hsum4x16(a[0][g], a[1][g], a[2][g], a[3][g], sc + g * ls + o);
             }
-            for (int g = 0; g < G; g++) scores[g * ((len + 15) & ~15) + t] = hsum16(acc[g]);
+            for (; o < cnt; o++) {
+                const KV_T *kr = kb + o * row + kh * hd;
+                for (int i = 0; i < hd; i += line) __builtin_prefetch(kn + o * row + kh * hd + i, 0, 1);
+                v16 a[8], x0, x1;
+                KV_LOAD32(kr, &x0, &x1);
+                for (int g = 0; g < G; g++) a[g] = qv[g][0] * x0 + qv[g][1] * x1;
+                for (int i = 2; i < D4; i += 2) {
+                    KV_LOAD32(kr + 16 * i, &x0, &x1);
+                    for (int g = 0; g < G; g++) a[g] += qv[g][i] * x0 + qv[g][i + 1] * x1;
+                }
+                for (int g = 0; g < G; g++) sc[g * ls + o] = hsum16(a[g]);
+            }
         }
     }
-    const int ls = (len + 15) & ~15; /* each head's scores start on a whole vector */
-    for (int g = 0; g < G; g++) {
-        float *sc = scores + g * ls;
+    for (int h = 0; h < heads; h++) {
+        float *sc = scores + (int64_t)h * ls;
         /* The max 16 lanes at a time: a scalar running max is a chain of dependent compares, one per
          * score, which cost about as much as the whole V pass. */
         v16 mv = (v16){0} - INFINITY;
@@ -69,43 +96,47 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_group)(
             *(v16 *)(sc + t) = e;
             sum += e;
         }
-        const float inv = 1.0f / hsum16(sum);
-        for (int t = 0; t < len; t++) sc[t] *= inv;
+        const v16 inv = (v16){0} + 1.0f / hsum16(sum);
+        for (int t = 0; t < ls; t += 16) *(v16 *)(sc + t) *= inv;
     }
-    v16 ov[8][8];
-    for (int g = 0; g < G; g++)
-        for (int i = 0; i < D4; i++) ov[g][i] = (v16){0};
-    for (int b = 0, t = 0; t < len; b++) {
+    for (int i = 0; i < heads * hd; i++) acc[i] = 0.0f; /* the outputs, permuted like the queries */
+    for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {
         const KV_T *vb = v + (int64_t)table[b] * block_stride;
-        const int cnt = len - t < block_size ? len - t : block_size;
-        const KV_T *vn = t + 2 * block_size < len ? v + (int64_t)table[b + 2] * block_stride : vb;
-        for (int o = 0; o < cnt; o++, t++) {
-            const KV_T *vr = vb + o * row;
-            for (int i = 0; i < 16 * D4; i += line) __builtin_prefetch(vn + o * row + i, 0, 1);
-            for (int i = 0; i < D4; i += 2) {
-                v16 x0, x1;
-                KV_LOAD32(vr + 16 * i, &x0, &x1);
-                for (int g = 0; g < G; g++) {
-                    const float p = scores[g * ls + t];
-                    ov[g][i] += p * x0;
-                    ov[g][i + 1] += p * x1;
+        const int cnt = len - t0 < block_size ? len - t0 : block_size;
+        const KV_T *vn = t0 + 2 * block_size < len ? v + (int64_t)table[b + 2] * block_stride : vb;
+        for (int kh = 0; kh < kv_heads; kh++) {
+            v16 ov[8][8];
+            float *ah = acc + (int64_t)kh * G * hd;
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < D4; i++) ov[g][i] = *(const v16 *)(ah + g * hd + 16 * i);
+            const float *sc = scores + (int64_t)kh * G * ls + t0;
+            for (int o = 0; o < cnt; o++) {
+                const KV_T *vr = vb + o * row + kh * hd;
+                for (int i = 0; i < hd; i += line) __builtin_prefetch(vn + o * row + kh * hd + i, 0, 1);
+                for (int i = 0; i < D4; i += 2) {
+                    v16 x0, x1;
+                    KV_LOAD32(vr + 16 * i, &x0, &x1);
+                    for (int g = 0; g < G; g++) {
+                        const float p = sc[g * ls + o];
+                        ov[g][i] += p * x0;
+                        ov[g][i + 1] += p * x1;
+                    }
                 }
             }
+            for (int g = 0; g < G; g++)
+                for (int i = 0; i < D4; i++) *(v16 *)(ah + g * hd + 16 * i) = ov[g][i];
         }
     }
-    for (int g = 0; g < G; g++) /* back to the natural order */
+    for (int h = 0; h < heads; h++) /* back to the natural order */
         for (int i = 0; i < D4; i++)
-            for (int j = 0; j < 16; j++) os[g * 16 * D4 + 32 * (i / 2) + KV_PERM[16 * (i & 1) + j]] = ov[g][i][j];
+            for (int j = 0; j < 16; j++) os[h * hd + 32 * (i / 2) + KV_PERM[16 * (i & 1) + j]] = acc[h * hd + 16 * i + j];
 }
 
 #ifndef PDSERVE_ATTEND
-#define PDSERVE_ATTEND(fn, G_, D4_)                                                                       \
-    if (group == (G_) && head_dim == 16 * (D4_)) {                                                          \
-        for (int kh = 0; kh < kv_heads; kh++)                                                               \
-            fn(qs + (int64_t)kh * (G_) * head_dim, os + (int64_t)kh * (G_) * head_dim,                      \
-               k + (int64_t)kh * head_dim, v + (int64_t)kh * head_dim, block_stride, table, len, block_size, \
-               row, scale, scores, (G_), (D4_));                                                            \
-        continue;                                                                                           \
+#define PDSERVE_ATTEND(fn, G_, D4_)                                                                        \
+    if (group == (G_) && head_dim == 16 * (D4_)) {                                                           \
+        fn(qs, os, k, v, block_stride, table, len, block_size, kv_heads, scale, scores, acc, (G_), (D4_));   \
+        continue;                                                                                            \
     }
 #endif
 
@@ -123,7 +154,11 @@ int KV_NAME(pdserve_paged_decode)(const float *q, float *out, const KV_T *k, con
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)heads * (size_t)((max_len + 15) & ~15) + 64);
+        /* scores: heads x max_len rounded up to whole vectors; acc: heads x head_dim (the register path) */
+        const size_t score_floats = (size_t)heads * (size_t)((max_len + 15) & ~15);
+        float *scores = (float *)aligned_alloc(64, sizeof(float) * ((score_floats + (size_t)heads * head_dim + 15) & ~(size_t)15));
+        float *acc = scores ? scores + score_floats : NULL;
+        (void)acc; /* only the register path uses it */
         if (scores == NULL) failed = 1;
         /* Every thread must reach the worksharing loop; one without scratch skips its share. */
 #pragma omp for schedule(dynamic, 1)
@@ -137,7 +172,7 @@ int KV_NAME(pdserve_paged_decode)(const float *q, float *out, const KV_T *k, con
              * a multiple of 32 up to 128, up to 8 query heads per KV head): the register path. One
              * shape per build: every shape, four KV types each, took a minute to compile. */
 #if defined(PDSERVE_GROUP) && defined(PDSERVE_HEAD_DIM)
-            PDSERVE_ATTEND(KV_NAME(attend_group), PDSERVE_GROUP, PDSERVE_HEAD_DIM / 16)
+            PDSERVE_ATTEND(KV_NAME(attend_seq), PDSERVE_GROUP, PDSERVE_HEAD_DIM / 16)
 #endif
             /* Any other shape, one element at a time. scores[h * len + t] = scale * q_h . k_t */
             for (int t = 0; t < len; t++) {
