@@ -121,6 +121,8 @@ def _load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
         lib.pdserve_add_rmsnorm.argtypes = [p, p, p, f32, p, i32, i32, i32]
         lib.pdserve_silu_mul.restype = None
         lib.pdserve_silu_mul.argtypes = [p, p, i32, i32, i32]
+        lib.pdserve_argmax_rows.restype = None
+        lib.pdserve_argmax_rows.argtypes = [p, p, i32, i64, i32]
         _libs[shape] = lib
         return lib
 
@@ -212,3 +214,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
     lib.pdserve_silu_mul(gate_up.data_ptr(), y.data_ptr(), T, n, torch.get_num_threads())
     return y
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """`x.argmax(dim=-1)` for `x` = [rows, n] contiguous fp32 on the CPU (same index: the first
+    maximum, or the first NaN), or None where the library is not loaded (the caller uses torch's)."""
+    lib = _libs.get(None)
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    lib.pdserve_argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out

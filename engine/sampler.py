@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import cpu_kernels
 from engine.request import Request
 
 
@@ -19,7 +20,8 @@ def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: frozens
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
             if banned:
                 logits[i, banned] = float("-inf")
-    token_ids = logits.argmax(dim=-1).tolist()
+    greedy = cpu_kernels.argmax_rows(logits)  # None: not a CPU fp32 batch, or no compiled kernels
+    token_ids = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
     for i, req in enumerate(requests):
         p = req.params
         if p.greedy:

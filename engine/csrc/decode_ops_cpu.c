@@ -113,3 +113,41 @@ void pdserve_silu_mul(const float *gate_up, float *y, int T, int n, int num_thre
         for (; i < n; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
+
+/* out[r] = the index of the largest of the n floats of row r of x ([rows, n]), the first one where
+ * several are equal, and the first NaN where there is one: what torch's argmax returns. Greedy
+ * sampling over a 49k-token vocabulary: torch's argmax ran at ~5 GB/s here, a plain max at ~70. */
+void pdserve_argmax_rows(const float *x, int64_t *out, int rows, int64_t n, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 4)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + (int64_t)r * n;
+        /* Pass 1, 16 lanes at a time: the maximum, and whether any element is NaN (x != x). */
+        v16 mv = (v16){0} - INFINITY;
+        v16i nan = {0};
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) {
+            const v16 v = *(const v16 *)(xr + i);
+            const v16i gt = v > mv;
+            mv = (v16)(((v16i)v & gt) | ((v16i)mv & ~gt));
+            nan |= v != v;
+        }
+        float m = -INFINITY;
+        int has_nan = 0;
+        for (int j = 0; j < 16; j++) {
+            m = mv[j] > m ? mv[j] : m;
+            has_nan |= nan[j] != 0;
+        }
+        for (; i < n; i++) {
+            m = xr[i] > m ? xr[i] : m;
+            has_nan |= xr[i] != xr[i];
+        }
+        /* Pass 2: the first element equal to it (or the first NaN). A row of -inf gives 0. */
+        int64_t at = 0;
+        for (i = 0; i < n; i++)
+            if (has_nan ? xr[i] != xr[i] : xr[i] == m) {
+                at = i;
+                break;
+            }
+        out[r] = at;
+    }
+}

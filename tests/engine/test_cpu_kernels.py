@@ -171,6 +171,25 @@ def test_silu_mul_matches_torch(n):
                                rtol=2e-6, atol=1e-6)
 
 
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 1000, 49152])
+def test_argmax_rows_equals_torch(n):
+    # Same index as torch: the first of equal maxima, the first NaN, 0 for a row of -inf.
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(37, n, generator=g)
+    x[3] = float("-inf")
+    x[4, n // 2] = float("nan")
+    x[5] = 1.0
+    if n > 3:
+        x[6, 1] = x[6, 3] = 100.0
+        x[7, 0] = x[7, n - 1] = float("nan")
+        x[8, n - 1] = float("inf")
+        x[9, 2] = float("-inf")
+    got = cpu_kernels.argmax_rows(x)
+    assert got is not None and torch.equal(got, x.argmax(dim=-1))
+    assert cpu_kernels.argmax_rows(x[:, :1].contiguous().double()) is None  # not fp32: torch's argmax
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-ops", "torch-ops"])
 @pytest.mark.parametrize("model_type", ["llama", "mistral"])
 def test_fused_ops_match_hf(tiny_model_dir, model_type, fused):
