@@ -23,12 +23,13 @@
  * unrolling become registers. */
 static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
     const float *restrict qs, float *restrict os, const KV_T *k, const KV_T *v, int64_t block_stride,
-    const int32_t *table, int len, int block_size, int kv_heads, float scale, float *restrict scores,
-    float *restrict acc, const int G, const int D4) {
+    const int32_t *table, int len, const int32_t *next_table, int next_len, int block_size, int kv_heads,
+    float scale, float *restrict scores, float *restrict acc, const int G, const int D4) {
     const int line = 64 / (int)sizeof(KV_T); /* elements per cache line: one prefetch each */
     const int hd = 16 * D4, heads = kv_heads * G;
     const int64_t row = (int64_t)kv_heads * hd;
     const int ls = (len + 15) & ~15; /* each head's scores start on a whole vector */
+    const int nb = (len + block_size - 1) / block_size, next_nb = (next_len + block_size - 1) / block_size;
     /* The queries, scaled, in the lane order of KV_LOAD32: chunk c of 32 is vectors 2c and 2c + 1. */
     for (int h = 0; h < heads; h++)
         for (int i = 0; i < D4; i++)
@@ -37,7 +38,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
     for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {
         const KV_T *kb = k + (int64_t)table[b] * block_stride;
         const int cnt = len - t0 < block_size ? len - t0 : block_size;
-        const KV_T *kn = t0 + 2 * block_size < len ? k + (int64_t)table[b + 2] * block_stride : kb;
+        /* the block to prefetch: two ahead, running on into the V blocks at the end */
+        const KV_T *kn = b + 2 < nb ? k + (int64_t)table[b + 2] * block_stride
+                         : b + 2 - nb < nb ? v + (int64_t)table[b + 2 - nb] * block_stride : kb;
         for (int kh = 0; kh < kv_heads; kh++) {
             v16 qv[8][8];
             for (int g = 0; g < G; g++)
@@ -103,7 +106,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
     for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {
         const KV_T *vb = v + (int64_t)table[b] * block_stride;
         const int cnt = len - t0 < block_size ? len - t0 : block_size;
-        const KV_T *vn = t0 + 2 * block_size < len ? v + (int64_t)table[b + 2] * block_stride : vb;
+        /* two ahead, running on into the first K blocks of the next sequence this thread takes */
+        const KV_T *vn = b + 2 < nb ? v + (int64_t)table[b + 2] * block_stride
+                         : b + 2 - nb < next_nb ? k + (int64_t)next_table[b + 2 - nb] * block_stride : vb;
         for (int kh = 0; kh < kv_heads; kh++) {
             v16 ov[8][8];
             float *ah = acc + (int64_t)kh * G * hd;
@@ -135,7 +140,8 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
 #ifndef PDSERVE_ATTEND
 #define PDSERVE_ATTEND(fn, G_, D4_)                                                                        \
     if (group == (G_) && head_dim == 16 * (D4_)) {                                                           \
-        fn(qs, os, k, v, block_stride, table, len, block_size, kv_heads, scale, scores, acc, (G_), (D4_));   \
+        fn(qs, os, k, v, block_stride, table, len, next_table, next_len, block_size, kv_heads, scale, scores, \
+           acc, (G_), (D4_));                                                                                \
         continue;                                                                                            \
     }
 #endif
@@ -150,7 +156,7 @@ int KV_NAME(pdserve_paged_decode)(const float *q, float *out, const KV_T *k, con
     const int64_t row = (int64_t)kv_heads * head_dim; /* one token's K (or V) for all KV heads */
     int max_len = 0;
     for (int s = 0; s < n; s++) max_len = lens[s] > max_len ? lens[s] : max_len;
-    int failed = 0;
+    int failed = 0, claimed = 0;
 
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
@@ -160,12 +166,17 @@ int KV_NAME(pdserve_paged_decode)(const float *q, float *out, const KV_T *k, con
         float *acc = scores ? scores + score_floats : NULL;
         (void)acc; /* only the register path uses it */
         if (scores == NULL) failed = 1;
-        /* Every thread must reach the worksharing loop; one without scratch skips its share. */
-#pragma omp for schedule(dynamic, 1)
-        for (int s = 0; s < n; s++) {
+        /* Sequences are claimed one at a time (balance: lengths differ), each one claimed while the one
+         * before it is still running, so the register path can prefetch its first blocks. A thread
+         * without scratch skips what it claims (the call then fails). */
+        for (int s = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED), nxt; s < n; s = nxt) {
+            nxt = __atomic_fetch_add(&claimed, 1, __ATOMIC_RELAXED);
             if (scores == NULL) continue;
             const int len = lens[s];
             const int32_t *table = tables + (int64_t)s * table_stride;
+            const int32_t *next_table = nxt < n ? tables + (int64_t)nxt * table_stride : table;
+            const int next_len = nxt < n ? lens[nxt] : 0;
+            (void)next_table, (void)next_len;
             const float *qs = q + (int64_t)s * heads * head_dim;
             float *os = out + (int64_t)s * heads * head_dim;
             /* The model's shape, when the library was built for it (cpu_kernels.prepare_decode: head_dim
