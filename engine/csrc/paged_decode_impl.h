@@ -23,6 +23,20 @@
  * where G and D4 are constants after inlining: the V pass then loaded and stored its accumulators
  * around every FMA (1.3x slower per row, L2-resident). Fixed sizes with constant indices after
  * unrolling become registers. */
+/* One K row of one KV head (`kr`, head_dim = 16 * D4) against its G queries `qv`: a[g] holds the
+ * products, still to be summed across lanes. Prefetches the same row of a later block (`pf`). */
+static inline __attribute__((always_inline)) void KV_NAME(dot_row)(const KV_T *kr, const KV_T *pf, v16 qv[8][8],
+                                                                   v16 a[8], const int G, const int D4) {
+    v16 x0, x1;
+    for (int i = 0; i < 16 * D4; i += 64 / (int)sizeof(KV_T)) __builtin_prefetch(pf + i, 0, 1);
+    KV_LOAD32(kr, &x0, &x1);
+    for (int g = 0; g < G; g++) a[g] = qv[g][0] * x0 + qv[g][1] * x1;
+    for (int i = 2; i < D4; i += 2) {
+        KV_LOAD32(kr + 16 * i, &x0, &x1);
+        for (int g = 0; g < G; g++) a[g] += qv[g][i] * x0 + qv[g][i + 1] * x1;
+    }
+}
+
 static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
     const float *restrict qs, float *restrict os, const KV_T *k, const KV_T *v, int64_t block_stride,
     const int32_t *table, int len, const int32_t *next_table, int next_len, int block_size, int kv_heads,
@@ -51,29 +65,14 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
             int o = 0;
             /* Four rows at a time: their dot products are summed across lanes together (hsum4x16). */
             for (; o + 4 <= cnt; o += 4) {
-                v16 a[4][8], x0, x1;
-                for (int r = 0; r < 4; r++) {
-                    const KV_T *kr = kb + (o + r) * row + kh * hd;
-                    for (int i = 0; i < hd; i += line) __builtin_prefetch(kn + (o + r) * row + kh * hd + i, 0, 1);
-                    KV_LOAD32(kr, &x0, &x1);
-                    for (int g = 0; g < G; g++) a[r][g] = qv[g][0] * x0 + qv[g][1] * x1;
-                    for (int i = 2; i < D4; i += 2) {
-                        KV_LOAD32(kr + 16 * i, &x0, &x1);
-                        for (int g = 0; g < G; g++) a[r][g] += qv[g][i] * x0 + qv[g][i + 1] * x1;
-                    }
-                }
+                v16 a[4][8];
+                for (int r = 0; r < 4; r++)
+                    KV_NAME(dot_row)(kb + (o + r) * row + kh * hd, kn + (o + r) * row + kh * hd, qv, a[r], G, D4);
                 for (int g = 0; g < G; g++) hsum4x16(a[0][g], a[1][g], a[2][g], a[3][g], sc + g * ls + o);
             }
             for (; o < cnt; o++) {
-                const KV_T *kr = kb + o * row + kh * hd;
-                for (int i = 0; i < hd; i += line) __builtin_prefetch(kn + o * row + kh * hd + i, 0, 1);
-                v16 a[8], x0, x1;
-                KV_LOAD32(kr, &x0, &x1);
-                for (int g = 0; g < G; g++) a[g] = qv[g][0] * x0 + qv[g][1] * x1;
-                for (int i = 2; i < D4; i += 2) {
-                    KV_LOAD32(kr + 16 * i, &x0, &x1);
-                    for (int g = 0; g < G; g++) a[g] += qv[g][i] * x0 + qv[g][i + 1] * x1;
-                }
+                v16 a[8];
+                KV_NAME(dot_row)(kb + o * row + kh * hd, kn + o * row + kh * hd, qv, a, G, D4);
                 for (int g = 0; g < G; g++) sc[g * ls + o] = hsum16(a[g]);
             }
         }
