@@ -63,7 +63,8 @@ def export_for_vllm(engine: LLMEngine, out_dir: Path) -> Path:
     src = Path(engine.model_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
-    cfg.setdefault("architectures", [type(engine.hf_model).__name__])
+    if not cfg.get("architectures"):  # transformers may save it as null; vLLM then takes the bare LlamaModel
+        cfg["architectures"] = [type(engine.hf_model).__name__]
     rope = cfg.get("rope_parameters") or {}
     if "rope_theta" not in cfg and "rope_theta" in rope:
         cfg["rope_theta"] = rope["rope_theta"]
