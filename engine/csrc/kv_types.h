@@ -71,6 +71,40 @@ static inline __attribute__((always_inline)) v16 load16_e5m2(const uint8_t *p) {
     return f16_bits_to_f32(__builtin_convertvector(*(const v16u8 *)p, v16u16) << 8); /* the fp16 it is the top of */
 }
 
+/* 8 elements to fp32, in order: the unit of the decode kernel where vector registers hold 8 floats
+ * (AVX2 has 16 of them; 16-float vectors there take two each, and the kernel's accumulators spilled). */
+typedef uint16_t v8u16 __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef uint8_t v8u8 __attribute__((vector_size(8), aligned(1)));
+typedef _Float16 v8f16 __attribute__((vector_size(16)));
+
+static inline __attribute__((always_inline)) v8 load8_f32(const float *p) { return *(const v8 *)p; }
+
+static inline __attribute__((always_inline)) v8 load8_bf16(const uint16_t *p) {
+    return (v8)(__builtin_convertvector(*(const v8u16 *)p, v8u32) << 16);
+}
+
+static inline __attribute__((always_inline)) v8 f16x8_bits_to_f32(v8u16 h) {
+#if defined(__F16C__)
+    const __m256 r = _mm256_cvtph_ps((__m128i)h);
+    v8 x;
+    memcpy(&x, &r, 32);
+    return x;
+#else
+    return __builtin_convertvector((v8f16)h, v8);
+#endif
+}
+
+static inline __attribute__((always_inline)) v8 load8_f16(const _Float16 *p) {
+    v8u16 h;
+    memcpy(&h, p, 16);
+    return f16x8_bits_to_f32(h);
+}
+
+static inline __attribute__((always_inline)) v8 load8_e5m2(const uint8_t *p) {
+    return f16x8_bits_to_f32(__builtin_convertvector(*(const v8u8 *)p, v8u16) << 8);
+}
+
 /* One element to fp32. */
 static inline __attribute__((always_inline)) float load1_f32(const float *p) { return *p; }
 static inline __attribute__((always_inline)) float load1_bf16(const uint16_t *p) { return f32_from_bits((uint32_t)*p << 16); }

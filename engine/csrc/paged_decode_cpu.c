@@ -43,6 +43,30 @@ static inline __attribute__((always_inline)) void hsum4x16(v16 a, v16 b, v16 c, 
     memcpy(out, &r, 16);
 }
 
+/* The same for 8-float vectors (the kernel's unit without AVX-512): out[i] = the lane sum of the i-th. */
+static inline __attribute__((always_inline)) float hsum8(v8 x) {
+    x += __builtin_shuffle(x, (v8i){4, 5, 6, 7, 0, 1, 2, 3});
+    x += __builtin_shuffle(x, (v8i){2, 3, 0, 1, 6, 7, 4, 5});
+    x += __builtin_shuffle(x, (v8i){1, 0, 3, 2, 5, 4, 7, 6});
+    return x[0];
+}
+
+#if defined(__AVX512F__)
+#define hsumn hsum16
+#else
+#define hsumn hsum8
+#endif
+
+static inline __attribute__((always_inline)) void hsum4x8(v8 a, v8 b, v8 c, v8 d, float *out) {
+    /* lanes 0-3: four partial sums of a, 4-7: of b (then c, d) */
+    const v8 ab = __builtin_shuffle(a, b, (v8i){0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(a, b, (v8i){4, 5, 6, 7, 12, 13, 14, 15});
+    const v8 cd = __builtin_shuffle(c, d, (v8i){0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(c, d, (v8i){4, 5, 6, 7, 12, 13, 14, 15});
+    /* two partial sums each, in the order a a b b c c d d */
+    v8 x = __builtin_shuffle(ab, cd, (v8i){0, 1, 4, 5, 8, 9, 12, 13}) + __builtin_shuffle(ab, cd, (v8i){2, 3, 6, 7, 10, 11, 14, 15});
+    x += __builtin_shuffle(x, (v8i){1, 0, 3, 2, 5, 4, 7, 6});
+    out[0] = x[0], out[1] = x[2], out[2] = x[4], out[3] = x[6];
+}
+
 /* 32 elements to fp32, as two vectors whose lanes may hold the elements in another order: PERM[j]
  * is the element in lane j of the pair (lanes 16-31: the second vector). Dot products and weighted
  * sums of rows do not care about the order, as long as the query is permuted the same way and the
@@ -101,6 +125,7 @@ static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, 
 #define KV_LOAD32 load32_f32
 #define KV_PERM perm_identity
 #define KV_LOAD1 load1_f32
+#define KV_LOAD8 load8_f32
 #include "paged_decode_impl.h"
 
 #define KV_T uint16_t
@@ -108,6 +133,7 @@ static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, 
 #define KV_LOAD32 load32_bf16
 #define KV_PERM perm_bf16
 #define KV_LOAD1 load1_bf16
+#define KV_LOAD8 load8_bf16
 #include "paged_decode_impl.h"
 
 #define KV_T uint8_t
@@ -115,6 +141,7 @@ static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, 
 #define KV_LOAD32 load32_e5m2
 #define KV_PERM perm_e5m2
 #define KV_LOAD1 load1_e5m2
+#define KV_LOAD8 load8_e5m2
 #include "paged_decode_impl.h"
 
 #define KV_T _Float16
@@ -122,4 +149,5 @@ static inline __attribute__((always_inline)) void load32_e5m2(const uint8_t *p, 
 #define KV_LOAD32 load32_f16
 #define KV_PERM perm_identity
 #define KV_LOAD1 load1_f16
+#define KV_LOAD8 load8_f16
 #include "paged_decode_impl.h"

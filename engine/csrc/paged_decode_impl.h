@@ -37,6 +37,81 @@ static inline __attribute__((always_inline)) void KV_NAME(dot_row)(const KV_T *k
     }
 }
 
+#if !defined(__AVX512F__)
+/* Without AVX-512 the unit is an 8-float vector (AVX2: 16 registers of 8). The two passes of
+ * attend_seq over one block, written so their accumulators fit in those registers: the 16-float form
+ * keeps G x head_dim/16 queries and 4 x G accumulators of two registers each live, which spilled on
+ * every FMA (decode attention read 4.4 GB/s, slower than the one-element-at-a-time kernel). Here the
+ * queries are read from L1 (a memory operand of the FMA) and the V pass takes the row in slices of CW
+ * vectors, so G x CW accumulators stay in registers. */
+static inline __attribute__((always_inline)) void KV_NAME(k_block8)(const KV_T *kb, const KV_T *kn, const float *qs,
+                                                                    float *sc0, int ls, int cnt, int64_t row,
+                                                                    int kv_heads, const int G, const int D8) {
+    const int line = 64 / (int)sizeof(KV_T), hd = 8 * D8;
+    for (int kh = 0; kh < kv_heads; kh++) {
+        const float *q = qs + (int64_t)kh * G * hd;
+        const KV_T *kr = kb + kh * hd, *pf = kn + kh * hd;
+        float *sc = sc0 + (int64_t)kh * G * ls;
+        int o = 0;
+        if (G <= 3) /* four rows at a time, summed across lanes together: 4 x G accumulators */
+            for (; o + 4 <= cnt; o += 4) {
+                v8 a[4][8];
+                for (int r = 0; r < 4; r++)
+                    for (int i = 0; i < hd; i += line) __builtin_prefetch(pf + (o + r) * row + i, 0, 1);
+                for (int r = 0; r < 4; r++) {
+                    const v8 x = KV_LOAD8(kr + (o + r) * row);
+                    for (int g = 0; g < G; g++) a[r][g] = *(const v8 *)(q + g * hd) * x;
+                }
+                for (int i = 1; i < D8; i++)
+                    for (int r = 0; r < 4; r++) {
+                        const v8 x = KV_LOAD8(kr + (o + r) * row + 8 * i);
+                        for (int g = 0; g < G; g++) a[r][g] += *(const v8 *)(q + g * hd + 8 * i) * x;
+                    }
+                for (int g = 0; g < G; g++) hsum4x8(a[0][g], a[1][g], a[2][g], a[3][g], sc + g * ls + o);
+            }
+        for (; o < cnt; o++) {
+            v8 a[8];
+            for (int i = 0; i < hd; i += line) __builtin_prefetch(pf + o * row + i, 0, 1);
+            const v8 x0 = KV_LOAD8(kr + o * row);
+            for (int g = 0; g < G; g++) a[g] = *(const v8 *)(q + g * hd) * x0;
+            for (int i = 1; i < D8; i++) {
+                const v8 x = KV_LOAD8(kr + o * row + 8 * i);
+                for (int g = 0; g < G; g++) a[g] += *(const v8 *)(q + g * hd + 8 * i) * x;
+            }
+            for (int g = 0; g < G; g++) sc[g * ls + o] = hsum8(a[g]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void KV_NAME(v_block8)(const KV_T *vb, const KV_T *vn, float *acc,
+                                                                    const float *sc0, int ls, int cnt, int64_t row,
+                                                                    int kv_heads, const int G, const int D8) {
+    const int line = 64 / (int)sizeof(KV_T), hd = 8 * D8;
+    int CW = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1; /* G x CW <= 8 accumulators */
+    if (D8 % CW) CW = 4; /* D8 is a multiple of 4 (head_dim of 32s) */
+    for (int kh = 0; kh < kv_heads; kh++) {
+        float *ah = acc + (int64_t)kh * G * hd;
+        const float *sc = sc0 + (int64_t)kh * G * ls;
+        const KV_T *vr = vb + kh * hd, *pf = vn + kh * hd;
+        for (int c = 0; c < D8; c += CW) {
+            v8 ov[8][8];
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < CW; j++) ov[g][j] = *(const v8 *)(ah + g * hd + 8 * (c + j));
+            for (int o = 0; o < cnt; o++) {
+                if (c == 0)
+                    for (int i = 0; i < hd; i += line) __builtin_prefetch(pf + o * row + i, 0, 1);
+                for (int j = 0; j < CW; j++) {
+                    const v8 x = KV_LOAD8(vr + o * row + 8 * (c + j));
+                    for (int g = 0; g < G; g++) ov[g][j] += sc[g * ls + o] * x;
+                }
+            }
+            for (int g = 0; g < G; g++)
+                for (int j = 0; j < CW; j++) *(v8 *)(ah + g * hd + 8 * (c + j)) = ov[g][j];
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
     const float *restrict qs, float *restrict os, const KV_T *k, const KV_T *v, int64_t block_stride,
     const int32_t *table, int len, const int32_t *next_table, int next_len, int block_size, int kv_heads,
@@ -57,6 +132,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
         /* the block to prefetch: two ahead, running on into the V blocks at the end */
         const KV_T *kn = b + 2 < nb ? k + (int64_t)table[b + 2] * block_stride
                          : b + 2 - nb < nb ? v + (int64_t)table[b + 2 - nb] * block_stride : kb;
+#if !defined(__AVX512F__)
+        KV_NAME(k_block8)(kb, kn, acc, scores + t0, ls, cnt, row, kv_heads, G, 2 * D4);
+#else
         for (int kh = 0; kh < kv_heads; kh++) {
             v16 qv[8][8];
             for (int g = 0; g < G; g++)
@@ -76,32 +154,33 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
                 for (int g = 0; g < G; g++) sc[g * ls + o] = hsum16(a[g]);
             }
         }
+#endif
     }
     for (int h = 0; h < heads; h++) {
         float *sc = scores + (int64_t)h * ls;
-        /* The max 16 lanes at a time: a scalar running max is a chain of dependent compares, one per
-         * score, which cost about as much as the whole V pass. */
-        v16 mv = (v16){0} - INFINITY;
+        /* The max a vector at a time: a scalar running max is a chain of dependent compares, one per
+         * score, which cost about as much as the whole V pass. (ls is a multiple of 16, so of VN.) */
+        vn mv = (vn){0} - INFINITY;
         int t = 0;
-        for (; t + 16 <= len; t += 16) {
-            const v16 x = *(const v16 *)(sc + t);
-            const v16i gt = x > mv;
-            mv = (v16)(((v16i)x & gt) | ((v16i)mv & ~gt));
+        for (; t + VN <= len; t += VN) {
+            const vn x = *(const vn *)(sc + t);
+            const vni gt = x > mv;
+            mv = (vn)(((vni)x & gt) | ((vni)mv & ~gt));
         }
         float m = -INFINITY;
-        for (int j = 0; j < 16; j++) m = mv[j] > m ? mv[j] : m;
+        for (int j = 0; j < VN; j++) m = mv[j] > m ? mv[j] : m;
         for (; t < len; t++) m = sc[t] > m ? sc[t] : m;
         for (t = len; t < ls; t++) sc[t] = m; /* padding: exponentiated, then zeroed below */
-        v16 sum = {0};
-        for (int t = 0; t < ls; t += 16) {
-            v16 e = vexp(*(v16 *)(sc + t) - m);
-            if (t + 16 > len)
-                for (int j = len - t; j < 16; j++) e[j] = 0.0f;
-            *(v16 *)(sc + t) = e;
+        vn sum = {0};
+        for (int t = 0; t < ls; t += VN) {
+            vn e = vexpn(*(vn *)(sc + t) - m);
+            if (t + VN > len) /* with VN = 8 a whole vector of padding can follow len */
+                for (int j = len > t ? len - t : 0; j < VN; j++) e[j] = 0.0f;
+            *(vn *)(sc + t) = e;
             sum += e;
         }
-        const v16 inv = (v16){0} + 1.0f / hsum16(sum);
-        for (int t = 0; t < ls; t += 16) *(v16 *)(sc + t) *= inv;
+        const vn inv = (vn){0} + 1.0f / hsumn(sum);
+        for (int t = 0; t < ls; t += VN) *(vn *)(sc + t) *= inv;
     }
     for (int i = 0; i < heads * hd; i++) acc[i] = 0.0f; /* the outputs, permuted like the queries */
     for (int b = 0, t0 = 0; t0 < len; b++, t0 += block_size) {
@@ -110,6 +189,9 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
         /* two ahead, running on into the first K blocks of the next sequence this thread takes */
         const KV_T *vn = b + 2 < nb ? v + (int64_t)table[b + 2] * block_stride
                          : b + 2 - nb < next_nb ? k + (int64_t)next_table[b + 2 - nb] * block_stride : vb;
+#if !defined(__AVX512F__)
+        KV_NAME(v_block8)(vb, vn, acc, scores + t0, ls, cnt, row, kv_heads, G, 2 * D4);
+#else
         for (int kh = 0; kh < kv_heads; kh++) {
             v16 ov[8][8];
             float *ah = acc + (int64_t)kh * G * hd;
@@ -132,6 +214,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
             for (int g = 0; g < G; g++)
                 for (int i = 0; i < D4; i++) *(v16 *)(ah + g * hd + 16 * i) = ov[g][i];
         }
+#endif
     }
     for (int h = 0; h < heads; h++) /* back to the natural order */
         for (int i = 0; i < D4; i++)
@@ -241,3 +324,4 @@ int KV_NAME(pdserve_paged_decode)(const float *q, float *out, const KV_T *k, con
 #undef KV_LOAD32
 #undef KV_PERM
 #undef KV_LOAD1
+#undef KV_LOAD8
