@@ -84,13 +84,13 @@ void pdserve_add_rmsnorm(float *x, const float *delta, const float *w, float eps
             for (int i = 0; i < n; i++) xr[i] = xr[i] + dr[i];
         }
         float sum = 0.0f;
-        if ((n & 15) == 0) {
-            v16 acc = {0};
-            for (int i = 0; i < n; i += 16) {
-                const v16 a = *(const v16 *)(xr + i);
+        if (n % VN == 0) {
+            vn acc = {0};
+            for (int i = 0; i < n; i += VN) {
+                const vn a = *(const vn *)(xr + i);
                 acc += a * a;
             }
-            for (int i = 0; i < 16; i++) sum += acc[i];
+            for (int i = 0; i < VN; i++) sum += acc[i];
         } else {
             for (int i = 0; i < n; i++) sum += xr[i] * xr[i];
         }
@@ -106,9 +106,9 @@ void pdserve_silu_mul(const float *gate_up, float *y, int T, int n, int num_thre
         const float *g = gate_up + (int64_t)t * 2 * n, *u = g + n;
         float *yr = y + (int64_t)t * n;
         int i = 0;
-        for (; i + 16 <= n; i += 16) {
-            const v16 gv = *(const v16 *)(g + i);
-            *(v16 *)(yr + i) = gv / (1.0f + vexp(-gv)) * *(const v16 *)(u + i);
+        for (; i + VN <= n; i += VN) {
+            const vn gv = *(const vn *)(g + i);
+            *(vn *)(yr + i) = gv / (1.0f + vexpn(-gv)) * *(const vn *)(u + i);
         }
         for (; i < n; i++) yr[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
@@ -121,19 +121,19 @@ void pdserve_argmax_rows(const float *x, int64_t *out, int rows, int64_t n, int 
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows >= 4)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (int64_t)r * n;
-        /* Pass 1, 16 lanes at a time: the maximum, and whether any element is NaN (x != x). */
-        v16 mv = (v16){0} - INFINITY;
-        v16i nan = {0};
+        /* Pass 1, a vector at a time: the maximum, and whether any element is NaN (x != x). */
+        vn mv = (vn){0} - INFINITY;
+        vni nan = {0};
         int64_t i = 0;
-        for (; i + 16 <= n; i += 16) {
-            const v16 v = *(const v16 *)(xr + i);
-            const v16i gt = v > mv;
-            mv = (v16)(((v16i)v & gt) | ((v16i)mv & ~gt));
+        for (; i + VN <= n; i += VN) {
+            const vn v = *(const vn *)(xr + i);
+            const vni gt = v > mv;
+            mv = (vn)(((vni)v & gt) | ((vni)mv & ~gt));
             nan |= v != v;
         }
         float m = -INFINITY;
         int has_nan = 0;
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < VN; j++) {
             m = mv[j] > m ? mv[j] : m;
             has_nan |= nan[j] != 0;
         }
