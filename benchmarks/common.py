@@ -130,6 +130,16 @@ def make_workload(num_requests: int, prompt_range: tuple[int, int], output_range
     return out
 
 
+def add_workload_args(p) -> None:
+    """The flags of the shared burst workload (`make_workload`) on an argparse parser."""
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=512)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+
+
 # ---------------------------------------------------------------------------------------------- output
 
 

@@ -44,8 +44,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch
 
-from benchmarks.common import (BenchRequest, fmt, machine_info, make_workload, measure_read_bandwidth,
-                               measure_roofline, params_per_token, print_table, roofline_tokens_per_s, write_json)
+from benchmarks.common import (BenchRequest, add_workload_args, fmt, machine_info, make_workload,
+                               measure_read_bandwidth, measure_roofline, params_per_token, print_table,
+                               roofline_tokens_per_s, write_json)
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 POLICIES = ("static", "dynamic", "continuous")
@@ -391,12 +392,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF dir / hub id; default: embedded SmolLM2-135M-Instruct")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-mb", type=int, default=2048)

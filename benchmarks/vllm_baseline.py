@@ -47,8 +47,8 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch
 
-from benchmarks.common import (fmt, machine_info, make_workload, measure_roofline, params_per_token, print_table,
-                               roofline_tokens_per_s, write_json)
+from benchmarks.common import (add_workload_args, fmt, machine_info, make_workload, measure_roofline,
+                               params_per_token, print_table, roofline_tokens_per_s, write_json)
 from benchmarks.engine_throughput import touch_kv_pool, warm_up
 from engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -123,12 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a Python with vLLM's CPU build (default: $PDSERVE_VLLM_PYTHON)")
     p.add_argument("--threads", type=int, default=2, help="pdserve's torch threads = vLLM's OpenMP threads")
     p.add_argument("--cpus", default=None, help="cores vLLM binds its threads to (default: 0-<threads-1>)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--min-prompt", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=512)
-    p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p)
     p.add_argument("--decode-batch", type=int, default=128)
     p.add_argument("--decode-context", type=int, default=256)
     p.add_argument("--decode-tokens", default=None,

@@ -83,7 +83,7 @@ static inline __attribute__((always_inline)) void KV_NAME(k_block8)(const KV_T *
     }
 }
 
-static inline __attribute__((always_inline)) void KV_NAME(v_block8)(const KV_T *vb, const KV_T *vn, float *acc,
+static inline __attribute__((always_inline)) void KV_NAME(v_block8)(const KV_T *vb, const KV_T *vpf, float *acc,
                                                                     const float *sc0, int ls, int cnt, int64_t row,
                                                                     int kv_heads, const int G, const int D8) {
     const int line = 64 / (int)sizeof(KV_T), hd = 8 * D8;
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void KV_NAME(v_block8)(const KV_T *
     for (int kh = 0; kh < kv_heads; kh++) {
         float *ah = acc + (int64_t)kh * G * hd;
         const float *sc = sc0 + (int64_t)kh * G * ls;
-        const KV_T *vr = vb + kh * hd, *pf = vn + kh * hd;
+        const KV_T *vr = vb + kh * hd, *pf = vpf + kh * hd;
         for (int c = 0; c < D8; c += CW) {
             v8 ov[8][8];
             for (int g = 0; g < G; g++)
@@ -116,7 +116,6 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
     const float *restrict qs, float *restrict os, const KV_T *k, const KV_T *v, int64_t block_stride,
     const int32_t *table, int len, const int32_t *next_table, int next_len, int block_size, int kv_heads,
     float scale, float *restrict scores, float *restrict acc, const int G, const int D4) {
-    const int line = 64 / (int)sizeof(KV_T); /* elements per cache line: one prefetch each */
     const int hd = 16 * D4, heads = kv_heads * G;
     const int64_t row = (int64_t)kv_heads * hd;
     const int ls = (len + 15) & ~15; /* each head's scores start on a whole vector */
@@ -187,11 +186,12 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
         const KV_T *vb = v + (int64_t)table[b] * block_stride;
         const int cnt = len - t0 < block_size ? len - t0 : block_size;
         /* two ahead, running on into the first K blocks of the next sequence this thread takes */
-        const KV_T *vn = b + 2 < nb ? v + (int64_t)table[b + 2] * block_stride
-                         : b + 2 - nb < next_nb ? k + (int64_t)next_table[b + 2 - nb] * block_stride : vb;
+        const KV_T *vpf = b + 2 < nb ? v + (int64_t)table[b + 2] * block_stride
+                          : b + 2 - nb < next_nb ? k + (int64_t)next_table[b + 2 - nb] * block_stride : vb;
 #if !defined(__AVX512F__)
-        KV_NAME(v_block8)(vb, vn, acc, scores + t0, ls, cnt, row, kv_heads, G, 2 * D4);
+        KV_NAME(v_block8)(vb, vpf, acc, scores + t0, ls, cnt, row, kv_heads, G, 2 * D4);
 #else
+        const int line = 64 / (int)sizeof(KV_T); /* elements per cache line: one prefetch each */
         for (int kh = 0; kh < kv_heads; kh++) {
             v16 ov[8][8];
             float *ah = acc + (int64_t)kh * G * hd;
@@ -200,7 +200,7 @@ static inline __attribute__((always_inline)) void KV_NAME(attend_seq)(
             const float *sc = scores + (int64_t)kh * G * ls + t0;
             for (int o = 0; o < cnt; o++) {
                 const KV_T *vr = vb + o * row + kh * hd;
-                for (int i = 0; i < hd; i += line) __builtin_prefetch(vn + o * row + kh * hd + i, 0, 1);
+                for (int i = 0; i < hd; i += line) __builtin_prefetch(vpf + o * row + kh * hd + i, 0, 1);
                 for (int i = 0; i < D4; i += 2) {
                     v16 x0, x1;
                     KV_LOAD32(vr + 16 * i, &x0, &x1);
