@@ -80,7 +80,8 @@ def build_engine(args, policy: str, max_num_seqs: int | None = None, kv_cache_mb
         kv_cache_dtype=kv_cache_dtype))
 
 
-def _drain(engine: LLMEngine) -> dict[str, list[int]]:
+def drain(engine: LLMEngine) -> dict[str, list[int]]:
+    """Step until every request has finished, as a burst (nothing else is coming); their token ids."""
     done: dict[str, list[int]] = {}
     engine.scheduler.draining = True
     while engine.has_unfinished_requests():
@@ -105,7 +106,7 @@ def warm_up(engine: LLMEngine) -> None:
     for i in range(4):
         engine.add_request(f"warm-{i}", list(range(100, 100 + 40 * (i + 1))),
                            SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    _drain(engine)
+    drain(engine)
 
 
 def run_pdserve(engine: LLMEngine, workload: list[BenchRequest], policy: str) -> tuple[RunResult, dict]:

@@ -49,7 +49,7 @@ import torch
 
 from benchmarks.common import (add_workload_args, fmt, machine_info, make_workload, measure_roofline,
                                params_per_token, print_table, roofline_tokens_per_s, write_json)
-from benchmarks.engine_throughput import touch_kv_pool, warm_up
+from benchmarks.engine_throughput import drain, touch_kv_pool, warm_up
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 CHILD = Path(__file__).with_name("vllm_child.py")
@@ -91,15 +91,9 @@ def run_pdserve(engine: LLMEngine, requests: list[dict]) -> tuple[float, list[li
     rids = [f"b-{time.monotonic_ns()}-{i}" for i in range(len(requests))]
     for rid, r in zip(rids, requests):
         engine.add_request(rid, r["prompt"], SamplingParams(max_tokens=r["max_tokens"], temperature=0, ignore_eos=True))
-    done: dict[str, list[int]] = {}
-    engine.scheduler.draining = True  # a burst: nothing else is coming
     t = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
+    done = drain(engine)
     wall = time.perf_counter() - t
-    engine.scheduler.draining = False
     return wall, [done[rid] for rid in rids]
 
 
