@@ -37,8 +37,8 @@ MODES = ("static", "dynamic", "continuous", "disagg")
 def run_colocated(policy: str, cfg: BenchConfig, batch_size: int, max_wait_s: float, warmup: int) -> dict:
     import uvicorn
 
-    from deployments.backend import LocalEngineBackend
-    from deployments.ingress import build_openai_app
+    from deployments.frontend.backend import LocalEngineBackend
+    from deployments.frontend.http_app import build_openai_app
     from engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=None, num_threads=2, batching=policy, max_num_seqs=batch_size,

@@ -30,8 +30,8 @@ import ray  # noqa: E402
 
 from deployments.app import get_or_create_router, shutdown_router  # noqa: E402
 from deployments.config import ServeConfig  # noqa: E402
-from deployments.router_backend import RouterBackend  # noqa: E402
-from deployments.stream_hub import StreamHub  # noqa: E402
+from deployments.frontend.router_client import RouterBackend  # noqa: E402
+from deployments.frontend.stream_hub import StreamHub  # noqa: E402
 from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 
@@ -158,10 +158,10 @@ def main(argv=None) -> int:
     try:
         # Phase 1 runs fixed pools (1 prefill + 2 decode), so the stall measures recovery alone and not
         # a prefill scale-up that happens to start at the same time; phase 2 gets a fresh app that scales.
-        cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, health_check_timeout_s=5.0,
+        cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=2, health_check_timeout_s=5.0,
                           kv_cache_memory_mb=args.kv_cache_mb, local_prefill_max_tokens=args.local_prefill_max_tokens,
                           decode_max_prefill_tokens=args.decode_max_prefill_tokens, kv_backup=not args.no_kv_backup,
-                          kv_prefix_fetch=not args.no_kv_prefix_fetch)
+                          kv_prefix_fetch=not args.no_kv_prefix_fetch))
         target = reprefill_s + 1
         longest = max(len(p) + m for p, m in reqs)
         summary, backups = [], []

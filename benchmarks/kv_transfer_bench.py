@@ -18,7 +18,7 @@ import time
 import ray
 import torch
 
-from deployments.kv_endpoint import KVExporter, KVExportMixin, KVImporter
+from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin, KVImporter
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kv_transfer.gloo import GlooTransport
 

@@ -63,8 +63,8 @@ def _bench(cfg: BenchConfig, url: str, warmup: int) -> dict:
 def run_engine_alone(cfg: BenchConfig, warmup: int) -> dict:
     import uvicorn
 
-    from deployments.backend import LocalEngineBackend
-    from deployments.ingress import build_openai_app
+    from deployments.frontend.backend import LocalEngineBackend
+    from deployments.frontend.http_app import build_openai_app
     from engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(EngineConfig(model=None, num_threads=2))

@@ -15,10 +15,10 @@ import ray
 from ray import serve
 
 from deployments.config import ServeConfig
-from deployments.ingress import build_openai_app
-from deployments.router import WORKER_PREFIX, RouterActor
-from deployments.router_backend import RouterBackend
-from deployments.stream_hub import StreamHub
+from deployments.frontend.http_app import build_openai_app
+from deployments.cluster.router import WORKER_PREFIX, RouterActor
+from deployments.frontend.router_client import RouterBackend
+from deployments.frontend.stream_hub import StreamHub
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _router_serving_state(config: dict):
     """gRPC ingress factory: the same router backend as HTTP, with this replica's own StreamHub."""
     from transformers import AutoTokenizer
 
-    from deployments.grpc_ingress import ServingState
+    from deployments.frontend.grpc_app import ServingState
 
     cfg = ServeConfig.from_dict(config)
     router = get_or_create_router(cfg)
@@ -92,7 +92,7 @@ def build_grpc_app(args: dict | None = None) -> serve.Application:
     """The gRPC twin of `build_app` (serve it with `route_prefix="/pdserve-grpc"` and gRPC options)."""
     import functools
 
-    from deployments.grpc_ingress import GRPCIngress
+    from deployments.frontend.grpc_app import GRPCIngress
 
     cfg = ServeConfig.from_dict(args or {})
     # NOTE: 0 CPUs like the HTTP ingress: the workers hold the CPUs, the ingress only relays.

@@ -4,7 +4,7 @@ the actors. Every field is documented in README.md ("Server settings")."""
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from engine import EngineConfig
@@ -42,7 +42,9 @@ def direct_ingress_env(http_port: int, num_ports: int) -> dict[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
-    model: str | None = None
+    # Every worker's engine settings (model, dtype, KV cache, batch limits, threads); a decode worker
+    # next to a prefill pool also gets `decode_max_prefill_tokens` (`engine_config`).
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_threads=1))
     model_name: str | None = None  # the name clients pass as `model`; default: derived from the model
     # 0 prefill workers: colocated (aggregated) serving, each decode worker prefills its own prompts.
     num_prefill_workers: int = 1
@@ -52,15 +54,6 @@ class ServeConfig:
     worker_num_gpus: float = 0.0
     prefill_resources: dict[str, float] = field(default_factory=dict)
     decode_resources: dict[str, float] = field(default_factory=dict)
-    threads_per_worker: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"  # the KV cache's elements (EngineConfig.kv_cache_dtype); what moves between pools
-    block_size: int = 16
-    kv_cache_memory_mb: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: int | None = None
     # With a prefill pool: prompt tokens a decode worker computes per step (local prefills; an urgent
     # recompute of a moved sequence is not held to it), so its running sequences keep streaming.
     # None: max_num_batched_tokens.
@@ -72,9 +65,8 @@ class ServeConfig:
     # Conditional disaggregation: a prompt of at most this many tokens is prefilled on a decode worker
     # when that would start it sooner than the prefill pool's queue would. 0: always the prefill pool.
     local_prefill_max_tokens: int = 512
-    # Automatic prefix caching in every engine, and the router sending each prompt where its prefix is
-    # likely cached (weighed against the queues). Routing needs caching.
-    enable_prefix_caching: bool = True
+    # The router sends each prompt where its prefix is likely cached (weighed against the queues).
+    # Routing needs the engines' prefix caching (engine.enable_prefix_caching).
     prefix_aware_routing: bool = True
     # A prompt a decode worker computed itself (a local prefill, a moved sequence) is copied over the KV
     # transport into a prefill worker's prefix cache. If that decode worker dies, its sequence is then
@@ -119,7 +111,11 @@ class ServeConfig:
         return 2 * (self.ingress_max_replicas or self.ingress_replicas)
 
     def __post_init__(self) -> None:
-        for name in ("num_decode_workers", "threads_per_worker", "max_queued_requests"):
+        if not isinstance(self.engine, EngineConfig):
+            raise EngineConfigError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+        if self.engine.num_threads is not None and self.engine.num_threads < 1:
+            raise EngineConfigError(f"num_threads must be >= 1, got {self.engine.num_threads}")
+        for name in ("num_decode_workers", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_prefill_workers < 0:
@@ -153,7 +149,7 @@ class ServeConfig:
 
     @property
     def routes_by_prefix(self) -> bool:
-        return self.prefix_aware_routing and self.enable_prefix_caching
+        return self.prefix_aware_routing and self.engine.enable_prefix_caching
 
     @property
     def backs_up_kv(self) -> bool:
@@ -189,36 +185,40 @@ class ServeConfig:
         """The engine settings of a `role` worker: a decode worker next to a prefill pool caps the
         prompt tokens of each step (`decode_max_prefill_tokens`); colocated, it is the whole engine."""
         cap = self.decode_max_prefill_tokens if role == "decode" and not self.colocated else None
-        return EngineConfig(model=self.model, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-                            device=self.device, block_size=self.block_size,
-                            kv_cache_memory_mb=self.kv_cache_memory_mb, max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-                            num_threads=self.threads_per_worker, max_prefill_tokens_per_step=cap,
-                            enable_prefix_caching=self.enable_prefix_caching)
+        return replace(self.engine, max_prefill_tokens_per_step=cap)
 
     @property
     def served_model_name(self) -> str:
         if self.model_name:
             return self.model_name
-        if self.model is None:
+        if self.engine.model is None:
             from engine.model_loader import DEFAULT_MODEL_NAME
 
             return DEFAULT_MODEL_NAME
-        return self.model.rstrip("/").split("/")[-1].removesuffix(".gguf")
+        return self.engine.model.rstrip("/").split("/")[-1].removesuffix(".gguf")
 
     @classmethod
-    def from_dict(cls, args: dict[str, Any]) -> ServeConfig:
-        """Build from a `serve run` args dict; aliases `prefill_workers`/`decode_workers` are accepted."""
+    def from_dict(cls, args: dict[str, Any] | None) -> ServeConfig:
+        """Build from a flat settings dict (`serve run` args): ServeConfig's own names and
+        EngineConfig's, side by side; an `engine` dict (as `to_dict` writes it) is accepted too.
+        Aliases `prefill_workers` / `decode_workers` / `threads_per_worker` are accepted."""
         args = dict(args or {})
-        aliases = {"prefill_workers": "num_prefill_workers", "decode_workers": "num_decode_workers"}
+        aliases = {"prefill_workers": "num_prefill_workers", "decode_workers": "num_decode_workers",
+                   "threads_per_worker": "num_threads"}
         for a, real in aliases.items():
             if a in args:
                 args[real] = args.pop(a)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(args) - known)
+        engine_args = dict(args.pop("engine", None) or {})
+        engine_names = {f.name for f in fields(EngineConfig)}
+        own = {f.name for f in fields(cls)} - {"engine"}
+        for name in list(args):
+            if name in engine_names:
+                engine_args[name] = args.pop(name)
+        unknown = sorted(set(args) - own)
         if unknown:
-            raise EngineConfigError(f"unknown setting(s) {unknown}; valid: {sorted(known)}")
-        return cls(**args)
+            raise EngineConfigError(f"unknown setting(s) {unknown}; valid: {sorted(own | engine_names)}")
+        engine_args.setdefault("num_threads", 1)
+        return cls(engine=EngineConfig(**engine_args), **args)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -73,18 +73,20 @@ def _serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app import build_app, build_grpc_app, shutdown_router
-    from deployments.grpc_ingress import grpc_options
+    from deployments.frontend.grpc_app import grpc_options
     from deployments.config import ServeConfig, apply_ray_env_defaults, direct_ingress_env
+    from engine import EngineConfig
 
+    engine = EngineConfig(model=args.model, num_threads=args.threads_per_worker, device=args.device, dtype=args.dtype,
+                          kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_mb=args.kv_cache_memory_mb,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching)
     cfg = ServeConfig(
-        model=args.model, model_name=args.model_name, num_prefill_workers=args.prefill_workers,
-        num_decode_workers=args.decode_workers, threads_per_worker=args.threads_per_worker,
-        worker_num_cpus=args.worker_num_cpus, worker_num_gpus=args.worker_num_gpus, device=args.device,
-        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory_mb=args.kv_cache_memory_mb,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        engine=engine, model_name=args.model_name, num_prefill_workers=args.prefill_workers,
+        num_decode_workers=args.decode_workers,
+        worker_num_cpus=args.worker_num_cpus, worker_num_gpus=args.worker_num_gpus,
         decode_max_prefill_tokens=args.decode_max_prefill_tokens,
-        local_prefill_max_tokens=args.local_prefill_max_tokens, enable_prefix_caching=not args.no_prefix_caching,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
         prefix_aware_routing=not args.no_prefix_aware_routing, kv_backup=not args.no_kv_backup,
         kv_prefix_fetch=not args.no_kv_prefix_fetch,
         max_queued_requests=args.max_queued_requests,

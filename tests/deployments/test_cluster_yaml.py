@@ -10,7 +10,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.grpc_ingress import SERVICER_FUNCTION
+from deployments.frontend.grpc_app import SERVICER_FUNCTION
 
 ROOT = Path(__file__).resolve().parents[2]
 

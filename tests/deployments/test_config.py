@@ -39,7 +39,7 @@ def test_prefill_settings_reach_the_right_engines():
 
 
 def test_kv_cache_dtype_reaches_every_engine_and_a_bad_one_is_a_clean_cli_error(capsys):
-    cfg = ServeConfig(kv_cache_dtype="bfloat16")
+    cfg = ServeConfig.from_dict(dict(kv_cache_dtype="bfloat16"))
     assert cfg.engine_config("decode").kv_cache_dtype == "bfloat16"
     assert cfg.engine_config("prefill").kv_cache_dtype == "bfloat16"  # both pools: the KV that moves matches
     from deployments.cli import main

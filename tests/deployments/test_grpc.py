@@ -12,8 +12,8 @@ import pytest
 import ray
 from ray import serve
 
-from deployments.grpc import pdserve_pb2, pdserve_pb2_grpc
-from deployments.grpc_ingress import GRPCIngress, grpc_options, local_engine_factory
+from deployments.frontend.grpc import pdserve_pb2, pdserve_pb2_grpc
+from deployments.frontend.grpc_app import GRPCIngress, grpc_options, local_engine_factory
 from engine import LLM, SamplingParams
 
 MODEL = "smollm2"

@@ -16,8 +16,8 @@ import pytest
 import torch
 import uvicorn
 
-from deployments.backend import LocalEngineBackend, QueueFullError, TokenDelta
-from deployments.ingress import IncrementalDetokenizer, StopStringFilter, build_openai_app, configure_openai_app
+from deployments.frontend.backend import LocalEngineBackend, QueueFullError, TokenDelta
+from deployments.frontend.http_app import IncrementalDetokenizer, StopStringFilter, build_openai_app, configure_openai_app
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 MODEL = "smollm2"

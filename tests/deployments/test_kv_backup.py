@@ -17,8 +17,8 @@ import pytest
 import ray
 
 from deployments.config import ServeConfig
-from deployments.messages import GenRequest
-from deployments.workers import DecodeWorker, PrefillWorker
+from deployments.cluster.messages import GenRequest
+from deployments.cluster.workers import DecodeWorker, PrefillWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -78,7 +78,7 @@ def _wait(fn, timeout_s=120.0):
 @pytest.fixture(scope="module")
 def workers():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-backup-test")
-    cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64, block_size=BS)
+    cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64, block_size=BS))
     router, hub = FakeRouter.remote(), FakeHub.remote()
     prefill = PrefillWorker.options(num_cpus=1).remote("p0", cfg, router)
     decode = DecodeWorker.options(num_cpus=1).remote("d0", cfg, router)
@@ -92,7 +92,7 @@ def workers():
 def survivor(workers):
     """A second decode worker, with nothing in its cache: where a moved sequence resumes."""
     router, _, prefill, _ = workers
-    cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=2, kv_cache_memory_mb=64, block_size=BS)
+    cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=2, kv_cache_memory_mb=64, block_size=BS))
     d1 = DecodeWorker.options(num_cpus=1).remote("d1", cfg, router)
     ray.get(d1.info.remote(), timeout=300)
     assert ray.get(d1.connect_kv.remote("p0", prefill), timeout=60)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from deployments.kv_endpoint import KVExporter
+from deployments.cluster.kv_endpoint import KVExporter
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 

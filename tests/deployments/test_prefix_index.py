@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deployments.prefix_index import PrefixIndex, block_hashes
+from deployments.cluster.prefix_index import PrefixIndex, block_hashes
 
 BS = 4
 

@@ -11,8 +11,8 @@ import time
 import pytest
 import ray
 
-from deployments.router_backend import RouterBackend
-from deployments.stream_hub import StreamHub
+from deployments.frontend.router_client import RouterBackend
+from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

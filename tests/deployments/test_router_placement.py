@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from deployments import router as router_mod
+from deployments.cluster import router as router_mod
 from deployments.config import ServeConfig
-from deployments.messages import GenRequest
+from deployments.cluster.messages import GenRequest
 from engine import SamplingParams
 
 
@@ -34,7 +34,7 @@ def _make_router(monkeypatch, **settings):
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        r = router_mod.Router(ServeConfig(num_prefill_workers=1, num_decode_workers=1, **settings))
+        r = router_mod.Router(ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=1, **settings)))
         for role in ("prefill", "decode"):
             w = router_mod._Worker(f"{role}-0", role, _Calls([]), info={"num_blocks": 10_000, "max_model_len": 8192},
                                    ready=True)

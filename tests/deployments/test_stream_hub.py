@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from deployments.messages import StreamEvent
-from deployments.stream_hub import StreamHub
+from deployments.cluster.messages import StreamEvent
+from deployments.frontend.stream_hub import StreamHub
 
 
 @pytest.fixture(scope="module")

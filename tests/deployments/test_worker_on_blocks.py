@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.workers import _EngineWorker
+from deployments.cluster.workers import _EngineWorker
 
 
 def _worker() -> _EngineWorker:

@@ -12,8 +12,8 @@ from ray.cluster_utils import Cluster
 
 from deployments.app import get_or_create_router, shutdown_router
 from deployments.config import ServeConfig
-from deployments.router_backend import RouterBackend
-from deployments.stream_hub import StreamHub
+from deployments.frontend.router_client import RouterBackend
+from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
 
 
@@ -32,10 +32,10 @@ def fake_cluster():
 
 def test_placement_and_prefill_burst_scales_up_and_down(fake_cluster):
     _, prefill_node, decode_node = fake_cluster
-    cfg = ServeConfig(num_prefill_workers=1, prefill_max_workers=2, num_decode_workers=1,
+    cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, prefill_max_workers=2, num_decode_workers=1,
                       prefill_resources={"prefill": 1}, decode_resources={"decode": 1}, kv_cache_memory_mb=96,
                       prefill_target_queued_tokens=400, upscale_delay_s=0.5, downscale_delay_s=2.0,
-                      max_num_batched_tokens=256, local_prefill_max_tokens=0)
+                      max_num_batched_tokens=256, local_prefill_max_tokens=0))
     # (local_prefill_max_tokens=0: the whole burst queues on the prefill pool, none of it spills onto
     # the decode worker, so the burst outlasts the new prefill worker's start.)
     router = get_or_create_router(cfg)

@@ -10,9 +10,9 @@ import pytest
 import ray
 
 from deployments.config import ServeConfig
-from deployments.router import RouterActor
-from deployments.router_backend import RouterBackend
-from deployments.stream_hub import StreamHub
+from deployments.cluster.router import RouterActor
+from deployments.frontend.router_client import RouterBackend
+from deployments.frontend.stream_hub import StreamHub
 from engine import LLM, SamplingParams
 from engine.errors import EngineConfigError
 
@@ -22,8 +22,8 @@ PROMPTS = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerat
 @pytest.fixture(scope="module")
 def colocated():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-colocated")
-    router = RouterActor.remote(ServeConfig(num_prefill_workers=0, num_decode_workers=2, kv_cache_memory_mb=64,
-                                            max_num_batched_tokens=128))
+    router = RouterActor.remote(ServeConfig.from_dict(dict(num_prefill_workers=0, num_decode_workers=2, kv_cache_memory_mb=64,
+                                            max_num_batched_tokens=128)))
     ray.get(router.wait_ready.remote(300), timeout=360)
     backend = RouterBackend(router, StreamHub.remote(), "hub-colocated", request_timeout_s=120)
     yield router, backend

@@ -12,8 +12,8 @@ import ray
 
 from deployments.app import get_or_create_router, shutdown_router
 from deployments.config import ServeConfig
-from deployments.router_backend import RouterBackend
-from deployments.stream_hub import StreamHub
+from deployments.frontend.router_client import RouterBackend
+from deployments.frontend.stream_hub import StreamHub
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 PROMPTS = [f"Write a short story number {i} about a {w}." for i, w in
@@ -27,8 +27,8 @@ LONG_MAX_TOKENS = 200
 @pytest.fixture(scope="module")
 def cluster():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests")
-    cfg = ServeConfig(num_prefill_workers=2, num_decode_workers=2, kv_cache_memory_mb=64, max_num_seqs=8,
-                      health_check_timeout_s=5.0)
+    cfg = ServeConfig.from_dict(dict(num_prefill_workers=2, num_decode_workers=2, kv_cache_memory_mb=64, max_num_seqs=8,
+                      health_check_timeout_s=5.0))
     router = get_or_create_router(cfg)
     ray.get(router.wait_ready.remote(600), timeout=700)
     hub = StreamHub.remote()

@@ -14,10 +14,10 @@ import pytest
 import ray
 
 from deployments.app import get_or_create_router, shutdown_router
-from deployments.backend import QueueFullError
+from deployments.frontend.backend import QueueFullError
 from deployments.config import ServeConfig
-from deployments.router_backend import RouterBackend
-from deployments.stream_hub import StreamHub
+from deployments.frontend.router_client import RouterBackend
+from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
 
 NUM_REQUESTS = 8
@@ -62,8 +62,8 @@ def cluster():
     port = _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests",
              _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
-    cfg = ServeConfig(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64, max_num_seqs=8,
-                      max_queued_requests=MAX_QUEUED)
+    cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64, max_num_seqs=8,
+                      max_queued_requests=MAX_QUEUED))
     router = get_or_create_router(cfg)
     ray.get(router.wait_ready.remote(600), timeout=700)
     hub = StreamHub.remote()

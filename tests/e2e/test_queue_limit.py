@@ -8,19 +8,19 @@ import asyncio
 import pytest
 import ray
 
-from deployments.backend import QueueFullError
+from deployments.frontend.backend import QueueFullError
 from deployments.config import ServeConfig
-from deployments.router import RouterActor
-from deployments.router_backend import RouterBackend
-from deployments.stream_hub import StreamHub
+from deployments.cluster.router import RouterActor
+from deployments.frontend.router_client import RouterBackend
+from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def tiny_router(tiny_model_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pdserve-queue")
-    router = RouterActor.remote(ServeConfig(model=tiny_model_dir("llama"), max_queued_requests=2,
-                                            kv_cache_memory_mb=8))
+    router = RouterActor.remote(ServeConfig.from_dict(dict(model=tiny_model_dir("llama"), max_queued_requests=2,
+                                            kv_cache_memory_mb=8)))
     ray.get(router.wait_ready.remote(300), timeout=360)
     yield router
     ray.get(router.shutdown.remote(), timeout=60)

@@ -15,7 +15,7 @@ from openai import OpenAI
 from ray import serve
 
 from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app, shutdown_router
-from deployments.grpc_ingress import grpc_options
+from deployments.frontend.grpc_app import grpc_options
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -213,7 +213,7 @@ def test_disconnect_mid_stream_frees_blocks_everywhere(server):
 def test_grpc_generate_streams_same_tokens(server, offline):
     import grpc
 
-    from deployments.grpc import pdserve_pb2, pdserve_pb2_grpc
+    from deployments.frontend.grpc import pdserve_pb2, pdserve_pb2_grpc
 
     _, router, gport = server
     q = QUESTIONS[2]

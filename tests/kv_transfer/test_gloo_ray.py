@@ -27,7 +27,7 @@ def _engine() -> LLMEngine:
 @ray.remote(num_cpus=1, max_concurrency=8)
 class Prefill:
     def __init__(self, worker_id: str, lease_s: float = 30.0, push_delay_s: float = 0.0):
-        from deployments.kv_endpoint import KVExporter
+        from deployments.cluster.kv_endpoint import KVExporter
 
         self.lock = threading.RLock()
         self.engine = _engine()
@@ -72,7 +72,7 @@ class Prefill:
 @ray.remote(num_cpus=1, max_concurrency=8)
 class Decode:
     def __init__(self, worker_id: str):
-        from deployments.kv_endpoint import KVImporter
+        from deployments.cluster.kv_endpoint import KVImporter
 
         self.lock = threading.RLock()
         self.engine = _engine()

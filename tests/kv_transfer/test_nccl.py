@@ -52,7 +52,7 @@ def _actors():
     @ray.remote(num_gpus=1, max_concurrency=8)
     class Prefill:
         def __init__(self, worker_id: str):
-            from deployments.kv_endpoint import KVExporter
+            from deployments.cluster.kv_endpoint import KVExporter
 
             self.lock = threading.RLock()
             self.engine = _engine()
@@ -87,7 +87,7 @@ def _actors():
     @ray.remote(num_gpus=1, max_concurrency=8)
     class Decode:
         def __init__(self, worker_id: str):
-            from deployments.kv_endpoint import KVImporter
+            from deployments.cluster.kv_endpoint import KVImporter
 
             self.lock = threading.RLock()
             self.engine = _engine()

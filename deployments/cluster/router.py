@@ -35,9 +35,9 @@ import ray
 
 from deployments import metrics
 from deployments.config import ServeConfig
-from deployments.messages import DecodeReport, GenRequest, StreamEvent
-from deployments.prefix_index import PrefixIndex, block_hashes
-from deployments.workers import DecodeWorker, PrefillWorker
+from deployments.cluster.messages import DecodeReport, GenRequest, StreamEvent
+from deployments.cluster.prefix_index import PrefixIndex, block_hashes
+from deployments.cluster.workers import DecodeWorker, PrefillWorker
 from engine import SamplingParams
 from kv_transfer import KVHandle
 
@@ -121,7 +121,7 @@ class Router:
         self.decisions: deque[dict] = deque(maxlen=100)
         self.moves: deque[dict] = deque(maxlen=100)  # where dead decode workers' sequences went
         # Which prompt blocks each worker computed lately: where a prompt's prefix is likely cached.
-        self.prefix_index = PrefixIndex(config.block_size)
+        self.prefix_index = PrefixIndex(config.engine.block_size)
         self._next_id = {"prefill": 0, "decode": 0}
         self._ready = asyncio.Event()
         self._startup_error: str | None = None
@@ -300,7 +300,7 @@ class Router:
         if not self.config.routes_by_prefix:
             return []
         if t.hashes is None or t.hashes_of is not t.req:  # NOTE: colocated, `_admit` asks at every report
-            t.hashes, t.hashes_of = block_hashes(t.req.prompt_token_ids, self.config.block_size), t.req
+            t.hashes, t.hashes_of = block_hashes(t.req.prompt_token_ids, self.config.engine.block_size), t.req
         return t.hashes
 
     def _cached(self, w: _Worker, hashes: list[int], num_tokens: int) -> int:
@@ -409,12 +409,12 @@ class Router:
             blocks, running = w.info.get("num_blocks", 0), 0
         else:
             blocks, running = w.report.num_free_blocks, w.report.num_running + w.report.num_waiting
-        return blocks - w.reserved_blocks, self.config.max_num_seqs - running - w.reserved_seqs
+        return blocks - w.reserved_blocks, self.config.engine.max_num_seqs - running - w.reserved_seqs
 
     def _blocks_needed(self, num_tokens: int) -> int:
         """Blocks to reserve for a sequence joining a decode worker: its tokens plus one block of growth,
         so that it does not preempt at once."""
-        return -(-num_tokens // self.config.block_size) + 1
+        return -(-num_tokens // self.config.engine.block_size) + 1
 
     def _pick_decode(self, need: int) -> _Worker | None:
         """The ready decode worker with the most free blocks, if it has `need` blocks and a slot."""
@@ -441,7 +441,7 @@ class Router:
             if w.ready and not w.draining:
                 free_blocks, free_seqs = self._free_capacity(w)
                 if free_seqs > 0 and free_blocks >= need:
-                    room.append((w, self.config.max_num_seqs - free_seqs, self._cached(w, hashes, n)))
+                    room.append((w, self.config.engine.max_num_seqs - free_seqs, self._cached(w, hashes, n)))
         least = min(load for _, load, _ in room)
         near = [(cached, w) for w, load, cached in room if load <= least + AFFINITY_SLACK_SEQS and cached]
         if near:
@@ -587,20 +587,20 @@ class Router:
                 fc, p = max(((self._cached(p, hashes, n), p) for p in live_prefill), key=lambda o: o[0])
                 if fc > cached:
                     options.append((backlog + n - fc, 0, w, n - fc, p))
-        bs = self.config.block_size
+        bs = self.config.engine.block_size
         older: dict[str, int] = {}  # prompt tokens queued on each prefill worker that arrived before t
         for o in self.tracked.values():
             if o.stage == "prefill" and o.req.arrival_time <= t.req.arrival_time and o.req.request_id not in moving.ids:
                 older[o.worker_id] = older.get(o.worker_id, 0) + o.queued_tokens
         for p in live_prefill:
             cached = self._cached(p, hashes, n)
-            if not hashes and self.config.enable_prefix_caching and p.worker_id == t.prefill_worker_id:
+            if not hashes and self.config.engine.enable_prefix_caching and p.worker_id == t.prefill_worker_id:
                 # Caching without the index (prefix_aware_routing off): its prefill worker still has it.
                 cached = min(t.req.num_original_prompt_tokens // bs * bs, n - 1)
             # The step under way (its oldest prompts, up to a step's budget) ends first, and moved
             # sequences placed before this one (longer, maybe newer) also run first.
             moved_here = moving.tokens.get(p.worker_id, 0)
-            running = min(p.queued_prompt_tokens - moved_here, self.config.max_num_batched_tokens)
+            running = min(p.queued_prompt_tokens - moved_here, self.config.engine.max_num_batched_tokens)
             before = max(older.get(p.worker_id, 0), running) + moved_here
             options.append((before + n - cached, 1, p, n - cached, None))
         if not options:
@@ -641,13 +641,13 @@ class Router:
         prefill worker holding most of it already (then the least queued), and from which block on."""
         n = len(t.req.prompt_token_ids)
         hashes = self._hashes(t)
-        full = n // self.config.block_size
+        full = n // self.config.engine.block_size
         options = [(-self._cached(p, hashes, n), p.queued_prompt_tokens, p.worker_id, p)
                    for p in self.prefill.values() if p.ready and not p.draining]
         if not full or not options:
             return None
         neg_cached, _, _, p = min(options, key=lambda o: o[:3])
-        first = -neg_cached // self.config.block_size
+        first = -neg_cached // self.config.engine.block_size
         return (p.worker_id, p.actor, first) if first < full else None
 
     async def on_kv_backup(self, worker_id: str, request_id: str, num_tokens: int, copied_tokens: int) -> None:
@@ -657,7 +657,7 @@ class Router:
         self.counters["kv_backups"] += 1
         self.counters["kv_backup_tokens"] += copied_tokens
         if t is not None and worker_id in self.prefill:
-            self.prefix_index.record(worker_id, self._hashes(t)[:num_tokens // self.config.block_size])
+            self.prefix_index.record(worker_id, self._hashes(t)[:num_tokens // self.config.engine.block_size])
 
     async def _resumed(self, t: _Tracked, w: _Worker, need: int, own: int, ref) -> None:
         try:  # a fetch of the cached prefix takes a lease call and a pull, each with this timeout
@@ -874,7 +874,7 @@ class Router:
         src = max(ready, key=lambda w: (w.draining, w.queued_prompt_tokens))
         dst = min(takers, key=lambda w: w.queued_prompt_tokens)
         gap = src.queued_prompt_tokens - dst.queued_prompt_tokens
-        if src is dst or (gap <= 2 * self.config.max_num_batched_tokens and not (src.draining and src.queued_prompt_tokens)):
+        if src is dst or (gap <= 2 * self.config.engine.max_num_batched_tokens and not (src.draining and src.queued_prompt_tokens)):
             return
         try:
             # A draining worker hands over everything not started; otherwise split the difference.

@@ -35,15 +35,15 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.grpc_util import RayServegRPCContext
 
-from deployments.backend import GenerateBackend, LocalEngineBackend, QueueFullError, TokenDelta
-from deployments.grpc import pdserve_pb2
-from deployments.ingress import IncrementalDetokenizer, StopStringFilter
+from deployments.frontend.backend import GenerateBackend, LocalEngineBackend, QueueFullError, TokenDelta
+from deployments.frontend.grpc import pdserve_pb2
+from deployments.frontend.http_app import IncrementalDetokenizer, StopStringFilter
 from engine import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # The import path Serve's proxy loads to register the service.
-SERVICER_FUNCTION = "deployments.grpc.pdserve_pb2_grpc.add_GenerationServicer_to_server"
+SERVICER_FUNCTION = "deployments.frontend.grpc.pdserve_pb2_grpc.add_GenerationServicer_to_server"
 DEFAULT_APP_NAME = "pdserve-grpc"
 # As /v1/completions: 16 for prompt / prompt_token_ids; chat (messages) gets the rest of the context.
 DEFAULT_MAX_TOKENS = 16

@@ -11,8 +11,8 @@ from typing import Any, AsyncIterator
 import ray
 
 from deployments import metrics
-from deployments.backend import QueueFullError, TokenDelta
-from deployments.messages import GenRequest
+from deployments.frontend.backend import QueueFullError, TokenDelta
+from deployments.cluster.messages import GenRequest
 from engine import SamplingParams
 
 logger = logging.getLogger(__name__)

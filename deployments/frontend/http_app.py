@@ -28,8 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.backend import GenerateBackend, QueueFullError, TokenDelta
-from deployments.openai_protocol import (
+from deployments.frontend.backend import GenerateBackend, QueueFullError, TokenDelta
+from deployments.frontend.openai_protocol import (
     APIError, AssistantMessage, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
     ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionChoice, CompletionRequest,
     CompletionResponse, CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,

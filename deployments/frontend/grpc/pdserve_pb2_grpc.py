@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from deployments.grpc import pdserve_pb2 as deployments_dot_grpc_dot_pdserve__pb2
+from deployments.frontend.grpc import pdserve_pb2 as deployments_dot_frontend_dot_grpc_dot_pdserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in deployments/grpc/pdserve_pb2_grpc.py depends on'
+        + ' but the generated code in deployments/frontend/grpc/pdserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.Generation/Generate',
-                request_serializer=deployments_dot_grpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=deployments_dot_grpc_dot_pdserve__pb2.GenerateResponse.FromString,
+                request_serializer=deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/pdserve.Generation/Health',
-                request_serializer=deployments_dot_grpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-                response_deserializer=deployments_dot_grpc_dot_pdserve__pb2.HealthResponse.FromString,
+                request_serializer=deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
+                response_deserializer=deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=deployments_dot_grpc_dot_pdserve__pb2.GenerateRequest.FromString,
-                    response_serializer=deployments_dot_grpc_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.GenerateRequest.FromString,
+                    response_serializer=deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=deployments_dot_grpc_dot_pdserve__pb2.HealthRequest.FromString,
-                    response_serializer=deployments_dot_grpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.HealthRequest.FromString,
+                    response_serializer=deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -102,8 +102,8 @@ class Generation:
             request,
             target,
             '/pdserve.Generation/Generate',
-            deployments_dot_grpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
-            deployments_dot_grpc_dot_pdserve__pb2.GenerateResponse.FromString,
+            deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.GenerateRequest.SerializeToString,
+            deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -129,8 +129,8 @@ class Generation:
             request,
             target,
             '/pdserve.Generation/Health',
-            deployments_dot_grpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
-            deployments_dot_grpc_dot_pdserve__pb2.HealthResponse.FromString,
+            deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.HealthRequest.SerializeToString,
+            deployments_dot_frontend_dot_grpc_dot_pdserve__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

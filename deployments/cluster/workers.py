@@ -20,8 +20,8 @@ import torch
 
 from deployments import metrics
 from deployments.config import ServeConfig
-from deployments.kv_endpoint import KVExporter, KVExportMixin, KVImporter
-from deployments.messages import DecodeReport, GenRequest, StreamEvent
+from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin, KVImporter
+from deployments.cluster.messages import DecodeReport, GenRequest, StreamEvent
 from engine import LLMEngine, RequestOutput
 from kv_transfer import KVHandle, KVTransferError
 
@@ -44,7 +44,7 @@ class _EngineWorker:
     kv_exporter: KVExporter  # each subclass makes one: both kinds of worker export KV
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
-        torch.set_num_threads(config.threads_per_worker)
+        torch.set_num_threads(config.engine.num_threads)
         self.worker_id = worker_id
         self.config = config
         self.router = router

@@ -2,5 +2,5 @@
 
 `pdserve_pb2` holds the messages, `pdserve_pb2_grpc` the `GenerationStub` client and the
 `add_GenerationServicer_to_server` function that Serve's gRPC proxy registers
-(see `deployments.grpc_ingress.grpc_options`).
+(see `deployments.frontend.grpc_app.grpc_options`).
 """

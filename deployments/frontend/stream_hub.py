@@ -19,7 +19,7 @@ import time
 
 import ray
 
-from deployments.messages import StreamEvent
+from deployments.cluster.messages import StreamEvent
 
 
 class _Stream:
