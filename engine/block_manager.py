@@ -6,9 +6,12 @@ import itertools
 from collections import OrderedDict
 from typing import Hashable
 
-# A full block's identity for the prefix cache: (hash of the previous block's key, this block's tokens).
-# Two blocks with equal keys hold the same KV (same model, same tokens at the same positions).
-BlockKey = tuple[int, tuple[int, ...]]
+# A full block's identity for the prefix cache: SHA-256 of the previous block's key and this block's
+# tokens (`engine.request.extend_block_keys`). Two blocks with equal keys hold the same KV (same model,
+# same tokens at the same positions, same cache salt).
+# NOTE: a cryptographic hash, not Python's hash(): with a 64-bit non-cryptographic hash a client could
+# craft a prompt whose blocks collide with another tenant's and read their KV (vLLM's CVE-2025-25183).
+BlockKey = bytes
 
 
 class OutOfBlocksError(RuntimeError):

@@ -17,11 +17,17 @@ from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.model_loader import load_model_and_tokenizer
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, extend_block_keys
-from engine.sampler import sample
+from engine.sampler import SampleResult, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
+        raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
 
 Prompt = str | list[int]
 
@@ -117,18 +123,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     priority: int = 0, prefill_only: bool = False, arrival_time: float | None = None,
-                    urgent: bool = False) -> None:
+                    urgent: bool = False, cache_salt: str | None = None) -> None:
         """Queue a request. `prefill_only`: stop after the first token and keep the KV blocks for
         export (disaggregated prefill); release them with `release_prefilled`. Within a priority,
         requests run in order of `arrival_time` (`time.monotonic()` clock; default now): a request
         that arrived earlier elsewhere, e.g. one resumed after its worker died, goes ahead.
         `urgent`: a step that admits it admits no later new prompt that is not urgent too (a recompute
-        whose client is waiting gets a short step, not one filled up to the token budget)."""
+        whose client is waiting gets a short step, not one filled up to the token budget).
+        `cache_salt`: this request shares prefix-cache entries only with requests of the same salt."""
         params = params if params is not None else SamplingParams()
         prompt_ids = self.encode_prompt(prompt)
         self._validate(request_id, prompt_ids, params)
+        params.check_token_ids(self.vocab_size)
+        check_cache_salt(cache_salt)
         req = Request(request_id, prompt_ids, params, priority=priority, prefill_only=prefill_only,
-                      urgent=urgent, generator=self._new_generator(params))
+                      urgent=urgent, generator=self._new_generator(params), cache_salt=cache_salt)
         if arrival_time is not None:
             req.arrival_time = min(arrival_time, req.arrival_time)
         self._requests[request_id] = req
@@ -176,7 +185,8 @@ class LLMEngine:
         self.block_manager.incref(block_ids)
         return block_ids
 
-    def take_cached_blocks(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+    def take_cached_blocks(self, token_ids: list[int], max_tokens: int | None = None,
+                           cache_salt: str | None = None) -> list[int]:
         """A reference on each cached block of the longest cached prefix of `token_ids` (full blocks,
         at most `max_tokens` tokens), so it can be exported (a decode worker fetching a prefix this
         engine holds); `free_blocks` drops it. [] when nothing is cached."""
@@ -184,17 +194,18 @@ class LLMEngine:
             return []
         bs = self.block_manager.block_size
         n = len(token_ids[:max_tokens]) // bs
-        block_ids = self.block_manager.lookup(extend_block_keys([], token_ids, n, bs)) if n else []
+        block_ids = self.block_manager.lookup(extend_block_keys([], token_ids, n, bs, cache_salt)) if n else []
         self.block_manager.take(block_ids)
         return block_ids
 
-    def cache_blocks(self, token_ids: list[int], block_ids: list[int], first_block: int = 0) -> int:
+    def cache_blocks(self, token_ids: list[int], block_ids: list[int], first_block: int = 0,
+                     cache_salt: str | None = None) -> int:
         """Imported KV into the prefix cache: `block_ids` (from `allocate_blocks`) hold the full blocks
         `first_block`, `first_block` + 1, ... of `token_ids`. Each is registered under its key (unless
         that key is cached already), then freed: cached and free, like a finished request's blocks.
         Returns how many were registered."""
         bs = self.block_manager.block_size
-        keys = extend_block_keys([], token_ids, first_block + len(block_ids), bs)[first_block:]
+        keys = extend_block_keys([], token_ids, first_block + len(block_ids), bs, cache_salt)[first_block:]
         assert len(keys) == len(block_ids), f"{len(block_ids)} blocks but {len(keys)} full blocks of tokens"
         before = self.block_manager.num_cached_blocks
         if self.config.enable_prefix_caching:
@@ -205,11 +216,13 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                               params: SamplingParams, block_ids: list[int], num_computed_tokens: int,
-                              priority: int = 0, generator_state: torch.Tensor | None = None) -> None:
+                              priority: int = 0, generator_state: torch.Tensor | None = None,
+                              cache_salt: str | None = None) -> None:
         """Resume decoding a request whose first `num_computed_tokens` tokens of KV are already in
         `block_ids` (allocated with `allocate_blocks`). The engine owns the blocks from now on."""
+        check_cache_salt(cache_salt)
         req = Request(request_id, list(prompt_token_ids), params, priority=priority,
-                      generator=self._new_generator(params))
+                      generator=self._new_generator(params), cache_salt=cache_salt)
         if generator_state is not None and req.generator is not None:
             req.generator.set_state(generator_state)
         req.output_token_ids = list(output_token_ids)
@@ -261,13 +274,31 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         sampling = [c.request for c in sched.chunks if c.samples]
-        token_ids = sample(logits, sampling, self.eos_token_ids) if sampling else []
+        result = sample(logits, sampling, self.eos_token_ids) if sampling else SampleResult([], {})
         for chunk in sched.chunks:
             self.scheduler.postprocess_chunk(chunk)
         outputs = []
-        for req, tok in zip(sampling, token_ids):
-            outputs.append(self._append_token(req, tok))
+        for i, (req, tok) in enumerate(zip(sampling, result.token_ids)):
+            # NOTE: a request can fail only itself: what goes wrong in its own row ends it alone.
+            if i in result.errors:
+                outputs.append(self._fail(req, result.errors[i]))
+                continue
+            try:
+                outputs.append(self._append_token(req, tok))
+            except Exception as exc:  # noqa: BLE001 - its stop strings, its detokenization
+                logger.exception("request %s failed in postprocessing", req.request_id)
+                outputs.append(self._fail(req, f"postprocessing failed: {type(exc).__name__}"))
         return outputs
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        """End `req` alone with finish_reason "error"; its blocks are freed as for any finished request."""
+        if not req.status.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
+        self._requests.pop(req.request_id, None)
+        return RequestOutput(request_id=req.request_id, new_token_ids=[], token_ids=list(req.output_token_ids),
+                             finished=True, finish_reason=RequestStatus.FINISHED_ERROR.value, text=req.output_text,
+                             num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
+                             error=error)
 
     def _append_token(self, req: Request, tok: int) -> RequestOutput:
         p = req.params
@@ -294,7 +325,7 @@ class LLMEngine:
             self.scheduler.finish(req, status)
             if status is not RequestStatus.PREFILLED:
                 self._requests.pop(req.request_id, None)
-            if not req.output_text or not p.stop:
+            if not isinstance(req.stop_reason, str):  # text cut at a stop string stays cut
                 req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         return RequestOutput(
             request_id=req.request_id, new_token_ids=new_ids, token_ids=list(req.output_token_ids),
@@ -302,17 +333,32 @@ class LLMEngine:
             text=req.output_text if status is not None else "", num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens, block_ids=block_ids)
 
+    def _new_text(self, req: Request) -> str:
+        """The text the newest tokens add, decoding only them and a little context before them (never
+        the whole output again). "" while they end inside a multi-byte character."""
+        ids = req.output_token_ids
+        before = self.tokenizer.decode(ids[req.detok_prefix:req.detok_read], skip_special_tokens=True)
+        text = self.tokenizer.decode(ids[req.detok_prefix:], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        req.detok_prefix, req.detok_read = req.detok_read, len(ids)
+        return text[len(before):]
+
     def _hit_stop_string(self, req: Request) -> bool:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        new = self._new_text(req)
+        if not new:
+            return False
         longest = max(len(s) for s in req.params.stop)
-        # Only a stop string that ends in the newest token's text can be new.
-        window_start = max(0, len(req.output_text) - longest)
+        # Only a stop string that ends in the new text can be new.
+        window_start = max(0, len(req.output_text) - longest + 1)
+        req.output_text += new
         cut = None
         for s in req.params.stop:
-            i = text.find(s, window_start)
+            i = req.output_text.find(s, window_start)
             if i != -1 and (cut is None or i < cut):
                 cut, req.stop_reason = i, s
-        req.output_text = text if cut is None else text[:cut]
+        if cut is not None:
+            req.output_text = req.output_text[:cut]
         return cut is not None
 
     def check_integrity(self) -> None:

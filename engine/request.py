@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import enum
+import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -21,6 +23,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Something this request carried made its own work fail (e.g. its sampling); it alone ends.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -28,6 +32,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
             RequestStatus.PREFILLED,
         )
 
@@ -35,11 +40,21 @@ class RequestStatus(enum.Enum):
 _arrival_counter = itertools.count()
 
 
-def extend_block_keys(keys: list[BlockKey], token_ids: list[int], num_blocks: int, block_size: int) -> list[BlockKey]:
+def cache_root(cache_salt: str | None) -> bytes:
+    """The key a request's first block chains to: requests share prefix-cache entries only when they
+    share the salt (none is a salt of its own)."""
+    return b"" if cache_salt is None else hashlib.sha256(b"pdserve-cache-salt\0" + cache_salt.encode()).digest()
+
+
+def extend_block_keys(keys: list[BlockKey], token_ids: list[int], num_blocks: int, block_size: int,
+                      cache_salt: str | None = None) -> list[BlockKey]:
     """Append the prefix-cache keys of `token_ids`' full blocks len(keys)..num_blocks-1 to `keys`: each
-    block's tokens, chained to the key before it, so a block only matches after the same prefix."""
+    is SHA-256 of the key before it (the salt's root for the first) and the block's tokens, so a block
+    only matches after the same prefix under the same salt."""
     for i in range(len(keys), num_blocks):
-        keys.append((hash(keys[-1]) if keys else 0, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        parent = keys[-1] if keys else cache_root(cache_salt)
+        tokens = array.array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
+        keys.append(hashlib.sha256(parent + tokens).digest())
     return keys
 
 
@@ -64,18 +79,23 @@ class Request:
     # Text bookkeeping for stop strings, owned by the engine.
     output_text: str = ""
     stop_reason: str | int | None = None
+    # Incremental detokenization: output_token_ids[detok_prefix:detok_read] decode to the text just
+    # before the newest tokens (context for tokenizers whose pieces depend on what precedes them).
+    detok_prefix: int = 0
+    detok_read: int = 0
     generator: torch.Generator | None = None
     first_token_time: float | None = None
     # Prefix cache, owned by the scheduler: keys of the full blocks so far, how many of this request's
     # blocks are registered in the cache, and how many prompt tokens the last admission found cached.
     block_keys: list[BlockKey] = field(default_factory=list)
+    cache_salt: str | None = None
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
 
     def full_block_keys(self, num_blocks: int, block_size: int) -> list[BlockKey]:
         """The prefix-cache keys of this request's first `num_blocks` full blocks (computed once)."""
         if len(self.block_keys) < num_blocks:
-            extend_block_keys(self.block_keys, self.all_token_ids, num_blocks, block_size)
+            extend_block_keys(self.block_keys, self.all_token_ids, num_blocks, block_size, self.cache_salt)
         return self.block_keys[:num_blocks]
 
     @property
@@ -115,3 +135,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set for prefill-only requests once prefill is done: the blocks that hold the prompt's KV.
     block_ids: list[int] | None = None
+    # finish_reason "error": what failed, naming the request's parameter where one is to blame.
+    error: str | None = None
