@@ -1,9 +1,10 @@
-"""What the ingress talks to: a `GenerateBackend` turns prompt token ids into a stream of `TokenDelta`s.
+"""What the doors talk to: a `GenerateBackend` turns prompt token ids into a stream of `TokenDelta`s.
 
-Two implementations share the protocol:
+The HTTP app and the gRPC door both consume it through `text_stream.TextStream`. Two implementations
+share the protocol:
 - `LocalEngineBackend` (here): one `LLMEngine` stepped by one background thread in this process
-  ("colocated" mode; what the ingress tests use).
-- the Ray router backend (deployments/router*): prefill and decode pools behind the router.
+  ("colocated" mode; what tests/deployments/test_ingress.py and test_grpc.py use).
+- `RouterBackend` (router_client.py): prefill and decode pools behind the Ray router.
 
 ```
  event loop(s)                         engine thread (owns the LLMEngine)
@@ -51,7 +52,7 @@ class TokenDelta:
 class QueueFullError(RuntimeError):
     """The backend will not queue another request now; the client should retry after `retry_after_s`.
 
-    Raised by `generate` before its first event, so the ingress can still answer 429.
+    Raised by `generate` before its first event, so the door can still answer 429 / RESOURCE_EXHAUSTED.
     """
 
     def __init__(self, message: str = "the server is at capacity; retry later", retry_after_s: float = 1.0):
@@ -61,12 +62,13 @@ class QueueFullError(RuntimeError):
 
 @runtime_checkable
 class GenerateBackend(Protocol):
-    """Where tokens come from. The ingress owns tokenization, detokenization and stop strings.
+    """Where tokens come from. The doors own tokenization (prepare.py), detokenization and stop strings
+    (text_stream.py).
 
     `generate` is an async generator. Errors the caller caused (`InvalidRequestError`, including
     `PromptTooLongError`) and `QueueFullError` are raised before the first event; failures after it
     arrive as a final event with finish_reason "error". Closing the generator early (client gone)
-    must not leak the request, but the ingress also calls `abort` explicitly.
+    must not leak the request, but `TextStream` also calls `abort` explicitly.
     """
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -2,9 +2,12 @@
 
 ```
 grpc client ──/pdserve.Generation/Generate──▶ Serve gRPC proxy ──(metadata `application`)──▶
-    GRPCIngress.Generate(request, grpc_context) ──▶ GenerateBackend.generate ──▶ TokenDeltas
-        ──▶ IncrementalDetokenizer ──▶ StopStringFilter ──▶ stream of GenerateResponse chunks
+    GRPCIngress.Generate(request, grpc_context) ──▶ prepare.py: prompt token ids + SamplingParams
+        ──▶ text_stream.TextStream over GenerateBackend.generate ──▶ stream of GenerateResponse chunks
 ```
+
+The HTTP app shares both halves (prepare.py, text_stream.py); this module only maps the protobuf
+request to their neutral inputs, their chunks to protobuf, and their errors to status codes.
 
 Serve maps the RPC's method name to the deployment method of the same name (`Generate`, `Health`);
 the proxy only serves the services registered through `gRPCOptions.grpc_servicer_functions`, so start
@@ -35,30 +38,31 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.grpc_util import RayServegRPCContext
 
-from deployments.frontend.backend import GenerateBackend, LocalEngineBackend, QueueFullError, TokenDelta
+from deployments.frontend.backend import GenerateBackend, LocalEngineBackend, QueueFullError
 from deployments.frontend.grpc import pdserve_pb2
-from deployments.frontend.http_app import IncrementalDetokenizer, StopStringFilter
-from engine import InvalidRequestError, SamplingParams
+from deployments.frontend.prepare import (
+    PreparedRequest, PromptInput, PromptKind, SamplingInput, ServedModel, UnknownModelError, prepare)
+from deployments.frontend.text_stream import GenerationFailed, TextStream
+from engine import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
 # The import path Serve's proxy loads to register the service.
 SERVICER_FUNCTION = "deployments.frontend.grpc.pdserve_pb2_grpc.add_GenerationServicer_to_server"
 DEFAULT_APP_NAME = "pdserve-grpc"
-# As /v1/completions: 16 for prompt / prompt_token_ids; chat (messages) gets the rest of the context.
-DEFAULT_MAX_TOKENS = 16
 
 
 class ServingState(NamedTuple):
-    """What a backend factory returns (a plain 4-tuple in this order works too)."""
+    """What a backend factory returns (a plain 4- or 5-tuple in this order works too)."""
 
     backend: GenerateBackend
     tokenizer: Any  # a transformers tokenizer: encode, decode, apply_chat_template, len()
     model_name: str
     max_model_len: int
+    vocab_size: int | None = None  # the model's; None: the tokenizer's size (see ServedModel.of)
 
 
-BackendFactory = Callable[[], "ServingState | tuple[GenerateBackend, Any, str, int]"]
+BackendFactory = Callable[[], "ServingState | tuple"]
 
 
 def grpc_options(port: int = 9000, request_timeout_s: float | None = None) -> gRPCOptions:
@@ -81,10 +85,10 @@ def _build_local_backend(model_name: str, max_num_requests: int | None, engine_o
 
     engine = LLMEngine(EngineConfig(**engine_overrides))
     backend = LocalEngineBackend(engine, max_num_requests=max_num_requests)
-    return ServingState(backend, engine.tokenizer, model_name, engine.max_model_len)
+    return ServingState(backend, engine.tokenizer, model_name, engine.max_model_len, engine.vocab_size)
 
 
-# ---------------------------------------------------------------------- request → prompt ids + params
+# ---------------------------------------------------------------------- errors
 class GRPCError(Exception):
     """Ends the call with `code`; `message` starts with the offending field for caller errors."""
 
@@ -97,142 +101,83 @@ class GRPCError(Exception):
         return GRPCError, (self.code, self.message)
 
     @classmethod
-    def invalid(cls, field: str, message: str) -> GRPCError:
-        return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
+    def of(cls, e: Exception) -> GRPCError:
+        """The status for one of the neutral errors: preparation, backend refusal, backend failure."""
+        if isinstance(e, UnknownModelError):
+            return cls(grpc.StatusCode.NOT_FOUND, str(e))
+        if isinstance(e, InvalidRequestError):
+            return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e.message}")
+        if isinstance(e, QueueFullError):
+            return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {max(1, math.ceil(e.retry_after_s))}s")
+        if isinstance(e, GenerationFailed):
+            return cls(grpc.StatusCode.INTERNAL, str(e))
+        raise TypeError(f"not a neutral error: {type(e).__name__}")
 
 
-def prepare_request(req: pdserve_pb2.GenerateRequest, state: ServingState) -> tuple[list[int], SamplingParams]:
-    """Validate `req` and turn it into prompt token ids and sampling params; raises `GRPCError`."""
-    if req.model and req.model != state.model_name:
-        raise GRPCError(grpc.StatusCode.NOT_FOUND,
-                        f"model: `{req.model}` does not exist; this server serves `{state.model_name}`")
+_NEUTRAL_ERRORS = (InvalidRequestError, QueueFullError, GenerationFailed)
+
+
+# ---------------------------------------------------------------------- request → neutral inputs
+def _prompt_input(req: pdserve_pb2.GenerateRequest) -> PromptInput:
+    """The one prompt form that is set; the field that holds it is the one errors name."""
     forms = [name for name, given in (("prompt", bool(req.prompt)), ("prompt_token_ids", len(req.prompt_token_ids) > 0),
                                       ("messages", len(req.messages) > 0)) if given]
     if len(forms) != 1:
         got = " and ".join(forms) if forms else "none"
-        raise GRPCError.invalid("prompt", f"set exactly one of prompt, prompt_token_ids, messages (got {got})")
-    form = forms[0]
-    tokenizer = state.tokenizer
-    if form == "prompt":
-        prompt_ids = list(tokenizer.encode(req.prompt, add_special_tokens=False))
-    elif form == "prompt_token_ids":
-        vocab_size = len(tokenizer)
-        prompt_ids = list(req.prompt_token_ids)
-        if any(t < 0 or t >= vocab_size for t in prompt_ids):
-            raise GRPCError.invalid(form, f"token ids must be in [0, {vocab_size})")
-    else:
-        messages = [{"role": m.role, "content": m.content} for m in req.messages]
-        try:
-            out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except Exception as e:  # jinja's raise_exception (roles must alternate, ...), no template
-            raise GRPCError.invalid(form, f"the chat template rejected them: {e}") from None
-        prompt_ids = list(out if isinstance(out, list) else out["input_ids"])
-    if not prompt_ids:
-        raise GRPCError.invalid(form, "encodes to no tokens")
-    remaining = state.max_model_len - len(prompt_ids)
-    if remaining < 1:
-        raise GRPCError.invalid(form, f"{len(prompt_ids)} tokens, but this model's maximum context length is "
-                                      f"{state.max_model_len} tokens including at least one generated token")
-    if req.HasField("max_tokens"):
-        max_tokens = req.max_tokens
-        if max_tokens > remaining:
-            raise GRPCError.invalid("max_tokens", f"{max_tokens} is too large: the context holds "
-                                                  f"{state.max_model_len} tokens and the prompt has {len(prompt_ids)}, "
-                                                  f"so at most {remaining} can be generated")
-    else:
-        max_tokens = remaining if form == "messages" else min(DEFAULT_MAX_TOKENS, remaining)
+        raise InvalidRequestError("prompt", f"set exactly one of prompt, prompt_token_ids, messages (got {got})")
+    if forms[0] == "prompt":
+        return PromptInput(PromptKind.TEXT, req.prompt, "prompt")
+    if forms[0] == "prompt_token_ids":
+        return PromptInput(PromptKind.TOKEN_IDS, list(req.prompt_token_ids), "prompt_token_ids")
+    return PromptInput(PromptKind.CHAT, [{"role": m.role, "content": m.content} for m in req.messages], "messages")
+
+
+def _sampling_input(req: pdserve_pb2.GenerateRequest) -> SamplingInput:
+    def optional(name: str) -> Any:  # proto3 `optional`: unset is None, not 0
+        return getattr(req, name) if req.HasField(name) else None
+
+    return SamplingInput(max_tokens=optional("max_tokens"), temperature=optional("temperature"),
+                         top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),
+                         stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+                         min_tokens=optional("min_tokens"))
+
+
+def prepare_request(req: pdserve_pb2.GenerateRequest, model: ServedModel) -> PreparedRequest:
+    """Validate `req` and turn it into prompt token ids and sampling params; raises `GRPCError`."""
     try:
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature if req.HasField("temperature") else 1.0,
-            top_p=req.top_p if req.HasField("top_p") else 1.0,
-            top_k=req.top_k if req.HasField("top_k") else -1,
-            seed=req.seed if req.HasField("seed") else None,
-            stop=list(req.stop),
-            stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=req.ignore_eos,
-            min_tokens=req.min_tokens if req.HasField("min_tokens") else 0,
-        )
+        model.check_name(req.model or None)  # empty: the served model
+        return prepare(model, _prompt_input(req), _sampling_input(req))
     except InvalidRequestError as e:
-        raise GRPCError.invalid(e.field, e.message) from None
-    return prompt_ids, params
+        raise GRPCError.of(e) from None
 
 
 # ---------------------------------------------------------------------- the stream
-async def generate_stream(state: ServingState, request_id: str, prompt_ids: list[int], params: SamplingParams,
+async def generate_stream(backend: GenerateBackend, model: ServedModel, request_id: str, prepared: PreparedRequest,
                           priority: int = 0) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-    """Backend deltas as response chunks; the last one carries finish_reason and usage.
+    """The text stream as response chunks; the last one carries finish_reason and usage.
 
     `token_ids` are what the model generated; `text` is cut at the first stop string (the tokens that
     spelled it may still appear in `token_ids`). Raises `GRPCError` for refusals and failures.
     """
-    backend = state.backend
-    gen = backend.generate(request_id, prompt_ids, params, priority)
-    detok = IncrementalDetokenizer(state.tokenizer)
-    stops = StopStringFilter(params.stop)
-    num_generated = 0
-    num_cached = 0  # the first event's: what the (first) prefill found in the prefix cache
-    done = False  # the backend has nothing more for this request
-
-    def chunk(text: str, token_ids: list[int], finish_reason: str = "") -> pdserve_pb2.GenerateResponse:
-        out = pdserve_pb2.GenerateResponse(request_id=request_id, text=text, token_ids=token_ids,
-                                           finish_reason=finish_reason)
-        if finish_reason:
-            out.usage.prompt_tokens = len(prompt_ids)
-            out.usage.completion_tokens = num_generated
-            out.usage.total_tokens = len(prompt_ids) + num_generated
-            out.usage.cached_tokens = num_cached
-        return out
-
+    stream = TextStream(backend, request_id, prepared.prompt_token_ids, prepared.params, priority, model.tokenizer)
     try:
         try:
-            first = await gen.__anext__()
-        except QueueFullError as e:
-            done = True
-            raise GRPCError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{e}; retry after {max(1, math.ceil(e.retry_after_s))}s") from None
-        except InvalidRequestError as e:
-            done = True
-            raise GRPCError.invalid(e.field, e.message) from None
-        except StopAsyncIteration:
-            done = True
-            raise GRPCError(grpc.StatusCode.INTERNAL, "the backend ended the request without output") from None
-        delta: TokenDelta = first
-        num_cached = first.num_cached_tokens
-        while True:
-            num_generated += len(delta.token_ids)
-            text = detok.push(delta.token_ids)
-            if delta.finished:
-                done = True
-                text += detok.flush()
-            out, hit_stop = stops.feed(text)
-            if hit_stop:
-                if not done:
-                    done = True
-                    await backend.abort(request_id)
-                yield chunk(out, delta.token_ids, "stop")
-                return
-            if delta.finished:
-                out += stops.flush()
-                if delta.finish_reason == "error":
-                    if out or delta.token_ids:
-                        yield chunk(out, delta.token_ids)
-                    raise GRPCError(grpc.StatusCode.INTERNAL, f"generation failed: {delta.error}")
-                yield chunk(out, delta.token_ids, delta.finish_reason or "stop")
-                return
-            if out or delta.token_ids:
-                yield chunk(out, delta.token_ids)
-            try:
-                delta = await gen.__anext__()
-            except StopAsyncIteration:
-                done = True
-                raise GRPCError(grpc.StatusCode.INTERNAL,
-                                "the backend stream ended before the request finished") from None
+            await stream.start()
+            async for chunk in stream.chunks():
+                out = pdserve_pb2.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
+                                                   finish_reason=chunk.finish_reason or "")
+                if chunk.finish_reason:
+                    usage = stream.usage
+                    out.usage.prompt_tokens = usage.num_prompt_tokens
+                    out.usage.completion_tokens = usage.num_completion_tokens
+                    out.usage.total_tokens = usage.num_prompt_tokens + usage.num_completion_tokens
+                    out.usage.cached_tokens = usage.num_cached_tokens
+                yield out
+        except _NEUTRAL_ERRORS as e:
+            raise GRPCError.of(e) from None
     finally:
         # NOTE: a client that goes away cancels this generator: the request must not keep running.
-        if not done:
-            await backend.abort(request_id)
-        await gen.aclose()
+        await stream.close()
 
 
 # ---------------------------------------------------------------------- the Serve deployment
@@ -241,21 +186,23 @@ class GRPCIngress:
     """Serve deployment for `pdserve.Generation`; one method per RPC, named as in the .proto.
 
     backend_factory: called once per replica; returns `ServingState(backend, tokenizer, model_name,
-    max_model_len)` or the same 4-tuple. Use `local_engine_factory(...)` for an in-replica engine, or
-    a factory that builds the router backend.
+    max_model_len[, vocab_size])` or the same tuple. Use `local_engine_factory(...)` for an in-replica
+    engine, or a factory that builds the router backend (deployments/app.py).
     NOTE: max_ongoing_requests bounds concurrent streams per replica; the backend's own queue limit
     (QueueFullError → RESOURCE_EXHAUSTED) is the real admission control.
     """
 
     def __init__(self, backend_factory: BackendFactory):
-        self.state = ServingState(*backend_factory())
+        state = ServingState(*backend_factory())
+        self.backend = state.backend
+        self.model = ServedModel.of(state.model_name, state.tokenizer, state.max_model_len, state.vocab_size)
 
     async def Generate(self, request: pdserve_pb2.GenerateRequest,
                        grpc_context: RayServegRPCContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         request_id = f"grpc-{uuid.uuid4().hex}"
         try:
-            prompt_ids, params = prepare_request(request, self.state)
-            async for out in generate_stream(self.state, request_id, prompt_ids, params, request.priority):
+            prepared = prepare_request(request, self.model)
+            async for out in generate_stream(self.backend, self.model, request_id, prepared, request.priority):
                 yield out
         except GRPCError as e:
             # Serve keeps a code set on the context when the method raises (gRPCStatusError).
@@ -266,8 +213,8 @@ class GRPCIngress:
     async def Health(self, request: pdserve_pb2.HealthRequest,
                      grpc_context: RayServegRPCContext) -> pdserve_pb2.HealthResponse:
         try:
-            info = await self.state.backend.health()
+            info = await self.backend.health()
         except Exception as e:
             info = {"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}
-        return pdserve_pb2.HealthResponse(status=str(info.get("status", "ok")), model=self.state.model_name,
+        return pdserve_pb2.HealthResponse(status=str(info.get("status", "ok")), model=self.model.name,
                                           details_json=json.dumps(info, default=str))

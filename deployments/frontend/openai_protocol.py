@@ -1,13 +1,10 @@
 """The OpenAI HTTP schema (pydantic v2): requests, responses, stream chunks, error objects.
 
-Pydantic lives only here, at the HTTP edge. `*.sampling_params(...)` turns a request into the
-engine's `SamplingParams`; every user error becomes an `APIError` that the ingress answers with
+Pydantic lives only here, at the HTTP edge. A request's `prompt_input()` and `sampling_input()`
+check what only the OpenAI schema has (n, echo, batches, content parts, ...) and hand the rest to
+the protocol-neutral preparation (deployments/frontend/prepare.py, which also holds the max_tokens
+defaults). Every user error becomes an `APIError` that the HTTP app answers with
 `{"error": {"message", "type", "param", "code"}}`.
-
-Defaults for an omitted `max_tokens` follow vLLM: 16 for `/v1/completions` (OpenAI's documented
-default for the legacy endpoint) and "the rest of the context" (`max_model_len - prompt tokens`) for
-`/v1/chat/completions`. An explicit value that does not fit the context is a 400
-(`context_length_exceeded`), as with OpenAI and vLLM, rather than being silently cut.
 """
 
 from __future__ import annotations
@@ -17,9 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from engine import InvalidRequestError, PromptTooLongError, SamplingParams
-
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+from deployments.frontend.prepare import PromptInput, PromptKind, SamplingInput
+from engine import InvalidRequestError, PromptTooLongError
 
 
 # ---------------------------------------------------------------------- errors
@@ -101,36 +97,12 @@ class _SamplingFields(_Request):
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options: only allowed when stream is true", "stream_options")
 
-    def _sampling_params(self, max_tokens: int | None, max_tokens_param: str, num_prompt_tokens: int,
-                         max_model_len: int, prompt_param: str, default_max_tokens: int | None) -> SamplingParams:
+    def _sampling_input(self, max_tokens: int | None, max_tokens_field: str) -> SamplingInput:
         self._check_common()
-        rename = {"max_tokens": max_tokens_param, "prompt": prompt_param}
-        if num_prompt_tokens >= max_model_len:
-            raise APIError.from_invalid(PromptTooLongError(
-                prompt_param, f"{num_prompt_tokens} tokens, but this model's maximum context length is "
-                              f"{max_model_len} tokens including at least one generated token; shorten it"), rename)
-        remaining = max_model_len - num_prompt_tokens
-        if max_tokens is None:
-            max_tokens = remaining if default_max_tokens is None else min(default_max_tokens, remaining)
-        elif isinstance(max_tokens, int) and max_tokens > remaining:
-            raise APIError.bad_request(
-                f"{max_tokens_param}: {max_tokens} is too large; this model's maximum context length is "
-                f"{max_model_len} tokens and the prompt has {num_prompt_tokens}, so at most {remaining} "
-                f"can be generated", max_tokens_param, "context_length_exceeded")
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=-1 if self.top_k is None else self.top_k,
-                seed=self.seed,
-                stop=[] if self.stop is None else self.stop,
-                stop_token_ids=list(self.stop_token_ids or []),
-                ignore_eos=self.ignore_eos,
-                min_tokens=self.min_tokens,
-            )
-        except InvalidRequestError as e:
-            raise APIError.from_invalid(e, rename) from None
+        return SamplingInput(max_tokens=max_tokens, max_tokens_field=max_tokens_field, temperature=self.temperature,
+                             top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop,
+                             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                             min_tokens=self.min_tokens)
 
 
 class CompletionRequest(_SamplingFields):
@@ -157,9 +129,12 @@ class CompletionRequest(_SamplingFields):
                 raise APIError.bad_request(f"{name}: not supported", name, "unsupported_parameter")
         return p
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, "max_tokens", num_prompt_tokens, max_model_len,
-                                     "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    def prompt_input(self) -> PromptInput:
+        prompt = self.single_prompt()
+        return PromptInput(PromptKind.TEXT if isinstance(prompt, str) else PromptKind.TOKEN_IDS, prompt, "prompt")
+
+    def sampling_input(self) -> SamplingInput:
+        return self._sampling_input(self.max_tokens, "max_tokens")
 
 
 class TextContentPart(_Request):
@@ -202,13 +177,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError.bad_request("tools: not supported", "tools", "unsupported_parameter")
         return [{"role": m.role, "content": m.template_content(i)} for i, m in enumerate(self.messages)]
 
-    def sampling_params(self, num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    def prompt_input(self) -> PromptInput:
+        return PromptInput(PromptKind.CHAT, self.template_messages(), "messages")
+
+    def sampling_input(self) -> SamplingInput:
         # max_completion_tokens is OpenAI's newer name; it wins when both are given.
         if self.max_completion_tokens is not None:
-            value, param = self.max_completion_tokens, "max_completion_tokens"
-        else:
-            value, param = self.max_tokens, "max_tokens"
-        return self._sampling_params(value, param, num_prompt_tokens, max_model_len, "messages", None)
+            return self._sampling_input(self.max_completion_tokens, "max_completion_tokens")
+        return self._sampling_input(self.max_tokens, "max_tokens")
 
 
 # ---------------------------------------------------------------------- responses

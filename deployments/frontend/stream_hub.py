@@ -1,15 +1,16 @@
-"""One `StreamHub` actor per ingress replica: workers push tokens into it, the replica long-polls it.
+"""One `StreamHub` actor per front-door replica (HTTP or gRPC): workers push tokens into it, the
+replica's `RouterBackend` (router_client.py) long-polls it.
 
     prefill worker ──first token──▶ ┐
-    decode worker ──tokens/step───▶ ├─▶ StreamHub (dedupe by offset) ◀── next_all() ── ingress replica
+    decode worker ──tokens/step───▶ ├─▶ StreamHub (dedupe by offset) ◀── next_all() ── door replica
     (a migrated request's new worker) ┘
 
 The router never sees a token. A Serve replica cannot be called by other actors directly, so the
 hub stands in for it; it lives and dies with the replica that created it. The replica has one poll
 in flight for all of its streams, not one per request: with many concurrent streams, a call per
-request per step cost more CPU than the tokens themselves (see RouterBackend). Reads are acknowledged:
-an event stays in the hub until its consumer's next poll says it got it, so a poll whose caller went
-away (a cancelled task, a closed event loop) loses nothing.
+request per step cost more CPU than the tokens themselves. Reads are acknowledged: an event stays in
+the hub until its consumer's next poll says it got it, so a poll whose caller went away (a cancelled
+task, a closed event loop) loses nothing.
 """
 
 from __future__ import annotations

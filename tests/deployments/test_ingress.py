@@ -17,7 +17,8 @@ import torch
 import uvicorn
 
 from deployments.frontend.backend import LocalEngineBackend, QueueFullError, TokenDelta
-from deployments.frontend.http_app import IncrementalDetokenizer, StopStringFilter, build_openai_app, configure_openai_app
+from deployments.frontend.http_app import build_openai_app, configure_openai_app
+from deployments.frontend.text_stream import IncrementalDetokenizer, StopStringFilter
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 MODEL = "smollm2"

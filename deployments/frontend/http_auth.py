@@ -1,0 +1,33 @@
+"""API-key check for the HTTP app: `Authorization: Bearer <api_key>` when a key is configured."""
+
+from __future__ import annotations
+
+import hmac
+
+from deployments.frontend.http_errors import error_response
+from deployments.frontend.openai_protocol import APIError
+
+
+class BearerAuth:
+    """ASGI middleware: checks the key on everything but /health (probes carry no key).
+
+    The key is read per request from `app.state.pdserve.api_key`, so `configure_openai_app` can set
+    it after the app is built.
+    """
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and not scope["path"].endswith("/health"):
+            key = scope["app"].state.pdserve.api_key
+            if key:
+                header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                scheme, _, token = header.partition(" ")
+                # NOTE: constant-time compare, so response timing does not leak the key.
+                if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                    err = APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                                   "invalid_request_error", code="invalid_api_key")
+                    await error_response(err)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)

@@ -1,0 +1,196 @@
+"""One generate request's HTTP answer: wait for the first token, then a JSON body or SSE chunks.
+
+Errors before the first token become a status code (400/429/500/503); after it, an SSE error chunk
+followed by `data: [DONE]`. A client that goes away aborts its backend request: a disconnect seen
+while waiting (non-streaming, or before the first token) answers 499, and a streaming response
+always closes its `TextStream`, which aborts whatever did not finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from deployments.frontend.http_errors import NEUTRAL_ERRORS, api_error
+from deployments.frontend.openai_protocol import (
+    APIError, AssistantMessage, ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse, CompletionChoice, CompletionResponse, CompletionStreamResponse, DeltaMessage,
+    ErrorInfo, ErrorResponse, UsageInfo)
+from deployments.frontend.text_stream import GenerationFailed, TextStream
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    """How to answer one request (from its body and the app's settings)."""
+
+    model: str  # the served model's name, echoed in every response
+    chat: bool  # chat.completion objects rather than text_completion
+    streaming: bool
+    include_usage: bool  # streaming only: a last chunk with usage (stream_options.include_usage)
+    max_queue_wait_s: float | None  # longest wait for the first token (None: no limit)
+
+
+# ---------------------------------------------------------------------- client disconnects
+class _ClientGone(Exception):
+    pass
+
+
+class _WaitExpired(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is the disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, aw: Awaitable[T], timeout_s: float | None = None) -> T:
+    """Await `aw`, cancelling it if the client disconnects (_ClientGone) or `timeout_s` passes (_WaitExpired)."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task in done:
+        return task.result()
+    if watcher in done:
+        raise _ClientGone()
+    raise _WaitExpired()
+
+
+# ---------------------------------------------------------------------- the answer
+async def respond(request: Request, stream: TextStream, opts: ResponseOptions) -> Response:
+    """Start `stream` and answer with it; the stream is closed on every path."""
+    try:
+        await _start(request, stream, opts)
+    except _ClientGone:
+        await stream.close()
+        return Response(status_code=499)
+    except BaseException:
+        await stream.close()
+        raise
+    if opts.streaming:
+        body = _chat_chunks(stream, opts) if opts.chat else _completion_chunks(stream, opts)
+        return _SSEResponse(_sse_body(stream, body), headers=_SSE_HEADERS)
+    try:
+        text = await _unless_disconnected(request, _collect(stream))
+    except _ClientGone:
+        return Response(status_code=499)
+    except GenerationFailed as e:
+        raise api_error(e) from None
+    finally:
+        await stream.close()
+    usage = _usage(stream)
+    if opts.chat:
+        message = AssistantMessage(content=text)
+        return _json(ChatCompletionResponse(id=stream.request_id, model=opts.model, usage=usage, choices=[
+            ChatCompletionChoice(message=message, finish_reason=stream.finish_reason)]))
+    return _json(CompletionResponse(id=stream.request_id, model=opts.model, usage=usage, choices=[
+        CompletionChoice(text=text, finish_reason=stream.finish_reason)]))
+
+
+async def _start(request: Request, stream: TextStream, opts: ResponseOptions) -> None:
+    """Wait for the first token, turning the backend's refusals into HTTP errors."""
+    try:
+        await _unless_disconnected(request, stream.start(), opts.max_queue_wait_s)
+    except NEUTRAL_ERRORS as e:
+        # The engine names the prompt `prompt`; a chat request's prompt is its `messages`.
+        raise api_error(e, {"prompt": "messages"} if opts.chat else None) from None
+    except _WaitExpired:
+        await stream.close()
+        raise APIError(503, f"no capacity within {opts.max_queue_wait_s}s; retry later", "server_error",
+                       code="queue_timeout", headers={"Retry-After": "1"}) from None
+
+
+def _json(model: Any) -> Response:
+    return Response(model.model_dump_json(), media_type="application/json")
+
+
+def _usage(stream: TextStream) -> UsageInfo:
+    return UsageInfo.of(*stream.usage)
+
+
+async def _collect(stream: TextStream) -> str:
+    return "".join([chunk.text async for chunk in stream.chunks()])
+
+
+# ---------------------------------------------------------------------- server-sent events
+class _SSEResponse(StreamingResponse):
+    """StreamingResponse that always closes its generator, so a vanished client aborts the request."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+async def _sse_body(stream: TextStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, then `[DONE]`; a failure after the first chunk (the status is sent) is reported in-band."""
+    try:
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:
+            if not isinstance(e, GenerationFailed):
+                logger.exception("stream %s failed", stream.request_id)
+            message = str(e) if isinstance(e, GenerationFailed) else f"generation failed: {e}"
+            yield _sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error", code="generation_failed")))
+        yield _DONE
+    finally:
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
+            await stream.close()
+
+
+async def _completion_chunks(stream: TextStream, opts: ResponseOptions) -> AsyncIterator[str]:
+    rid, model = stream.request_id, opts.model
+    async for chunk in stream.chunks():
+        if chunk.text or chunk.finish_reason:
+            yield _sse(CompletionStreamResponse(id=rid, model=model, choices=[
+                CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason)]))
+    if opts.include_usage:
+        yield _sse(CompletionStreamResponse(id=rid, model=model, choices=[], usage=_usage(stream)))
+
+
+async def _chat_chunks(stream: TextStream, opts: ResponseOptions) -> AsyncIterator[str]:
+    rid, model = stream.request_id, opts.model
+
+    def event(delta: DeltaMessage, finish: str | None = None) -> str:
+        return _sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[
+            ChatCompletionStreamChoice(delta=delta, finish_reason=finish)]))
+
+    yield event(DeltaMessage(role="assistant", content=""))
+    async for chunk in stream.chunks():
+        if chunk.text or chunk.finish_reason:
+            yield event(DeltaMessage(content=chunk.text or None), chunk.finish_reason)
+    if opts.include_usage:
+        yield _sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=_usage(stream)))

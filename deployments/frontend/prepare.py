@@ -1,0 +1,152 @@
+"""Request preparation that both doors share: prompt → token ids, sampling values → `SamplingParams`.
+
+    HTTP body ─┐                                                    ┌─▶ (prompt_token_ids, SamplingParams)
+               ├─▶ PromptInput + SamplingInput ─▶ prepare(model, ...) ┤
+    gRPC msg  ─┘                                                    └─▶ InvalidRequestError (field, message)
+
+Each door turns its own request into the two neutral inputs and maps the one error type to its own
+answer: HTTP an OpenAI error object (400; `PromptTooLongError` → code `context_length_exceeded`,
+`UnknownModelError` → 404), gRPC INVALID_ARGUMENT (NOT_FOUND for the model). Errors name the field
+as the client spelled it (`messages`, `max_completion_tokens`, `prompt_token_ids`, ...).
+
+Defaults for an omitted `max_tokens` follow vLLM: DEFAULT_MAX_TOKENS for a text or token-id prompt
+(OpenAI's documented default for the legacy completions endpoint) and "the rest of the context"
+(`max_model_len - prompt tokens`) for chat. An explicit value that does not fit the context is an
+error (`PromptTooLongError`), as with OpenAI and vLLM, rather than being silently cut.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from engine import InvalidRequestError, PromptTooLongError, SamplingParams
+
+# Omitted max_tokens for a text or token-id prompt; chat gets the rest of the context instead.
+DEFAULT_MAX_TOKENS = 16
+
+
+class UnknownModelError(InvalidRequestError):
+    """The request names a model this server does not serve (HTTP 404, gRPC NOT_FOUND)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """What preparation needs to know about the served model; one per replica.
+
+    vocab_size: token ids a client sends must lie in [0, vocab_size). The model's own vocabulary
+    (its embedding rows) when the builder knows it, else the tokenizer's size: see `of`.
+    """
+
+    name: str
+    tokenizer: Any  # a transformers tokenizer: encode, apply_chat_template, len()
+    max_model_len: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, name: str, tokenizer: Any, max_model_len: int, vocab_size: int | None = None) -> ServedModel:
+        """The one place the token-id bound is chosen: `vocab_size` if given, else `len(tokenizer)`."""
+        return cls(name, tokenizer, max_model_len, len(tokenizer) if vocab_size is None else vocab_size)
+
+    def check_name(self, requested: str | None) -> str:
+        """The served name; raises `UnknownModelError` if `requested` is given and names another model."""
+        if requested is not None and requested != self.name:
+            raise UnknownModelError("model", f"`{requested}` does not exist; this server serves `{self.name}`")
+        return self.name
+
+
+class PromptKind(enum.Enum):
+    TEXT = "text"  # a string, tokenized without special tokens
+    TOKEN_IDS = "token_ids"  # ids used as they are, bounded by the vocabulary
+    CHAT = "chat"  # role/content messages through the model's chat template
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """One prompt as the client sent it. `field` is the request field errors about it name."""
+
+    kind: PromptKind
+    value: str | list[int] | list[dict[str, str]]
+    field: str = "prompt"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingInput:
+    """Sampling values as the client sent them; None: not sent, the default applies."""
+
+    max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"  # chat's newer name is max_completion_tokens
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int | None = None
+
+
+class PreparedRequest(NamedTuple):
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def prepare(model: ServedModel, prompt: PromptInput, sampling: SamplingInput) -> PreparedRequest:
+    """Validate and convert one request; raises `InvalidRequestError` (or `PromptTooLongError`)."""
+    prompt_ids = prompt_token_ids(model, prompt)
+    max_tokens = _max_tokens(model, prompt, len(prompt_ids), sampling)
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if sampling.temperature is None else sampling.temperature,
+            top_p=1.0 if sampling.top_p is None else sampling.top_p,
+            top_k=-1 if sampling.top_k is None else sampling.top_k,
+            seed=sampling.seed,
+            stop=[] if sampling.stop is None else sampling.stop,
+            stop_token_ids=list(sampling.stop_token_ids),
+            ignore_eos=sampling.ignore_eos,
+            min_tokens=0 if sampling.min_tokens is None else sampling.min_tokens,
+        )
+    except InvalidRequestError as e:
+        if e.field != "max_tokens":
+            raise
+        raise type(e)(sampling.max_tokens_field, e.message) from None
+    return PreparedRequest(prompt_ids, params)
+
+
+def prompt_token_ids(model: ServedModel, prompt: PromptInput) -> list[int]:
+    """The prompt's token ids, never empty; raises `InvalidRequestError` naming `prompt.field`."""
+    tokenizer = model.tokenizer
+    if prompt.kind is PromptKind.TEXT:
+        ids = list(tokenizer.encode(prompt.value, add_special_tokens=False))
+    elif prompt.kind is PromptKind.TOKEN_IDS:
+        ids = list(prompt.value)
+        if any(t < 0 or t >= model.vocab_size for t in ids):
+            raise InvalidRequestError(prompt.field, f"token ids must be in [0, {model.vocab_size})")
+    else:
+        try:
+            out = tokenizer.apply_chat_template(prompt.value, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # jinja's raise_exception (roles must alternate, ...), no template
+            raise InvalidRequestError(prompt.field, f"the chat template rejected them: {e}") from None
+        ids = list(out if isinstance(out, list) else out["input_ids"])
+    if not ids:
+        raise InvalidRequestError(prompt.field, "encodes to no tokens")
+    return ids
+
+
+def _max_tokens(model: ServedModel, prompt: PromptInput, num_prompt_tokens: int, sampling: SamplingInput) -> int:
+    limit = model.max_model_len
+    if num_prompt_tokens >= limit:
+        raise PromptTooLongError(prompt.field, f"{num_prompt_tokens} tokens, but this model's maximum context "
+                                               f"length is {limit} tokens including at least one generated "
+                                               f"token; shorten it")
+    remaining = limit - num_prompt_tokens
+    if sampling.max_tokens is None:
+        return remaining if prompt.kind is PromptKind.CHAT else min(DEFAULT_MAX_TOKENS, remaining)
+    if isinstance(sampling.max_tokens, int) and sampling.max_tokens > remaining:
+        raise PromptTooLongError(sampling.max_tokens_field,
+                                 f"{sampling.max_tokens} is too large; this model's maximum context length is "
+                                 f"{limit} tokens and the prompt has {num_prompt_tokens}, so at most "
+                                 f"{remaining} can be generated")
+    return sampling.max_tokens

@@ -1,0 +1,201 @@
+"""One request's generation as text, for both doors: backend TokenDeltas → TextChunks.
+
+    backend.generate(...) ──TokenDelta──▶ IncrementalDetokenizer ──▶ StopStringFilter ──▶ TextChunk
+                                                                    (stop hit: abort the backend request)
+
+`TextStream` owns the backend request: `start()` waits for the first event (refusals raise there,
+before anything was sent), `chunks()` yields text, and `close()` aborts the request unless it
+finished, so a client that goes away (a cancelled task, a closed generator) never leaves it running.
+The doors only format chunks (SSE / JSON / protobuf) and map errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, NamedTuple
+
+import anyio
+
+from deployments.frontend.backend import GenerateBackend, TokenDelta
+from engine import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Token ids in, text deltas out; the deltas concatenate to `tokenizer.decode(all ids)`.
+
+    Decodes a short window `ids[prefix_offset:]` against `ids[prefix_offset:read_offset]` (vLLM's
+    prefix-offset scheme) so merged/multi-byte tokens come out whole: while the window ends in U+FFFD
+    (an incomplete UTF-8 sequence) nothing is emitted.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def push(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        self.token_ids.extend(token_ids)
+        prefix = self._decode(self.token_ids[self._prefix_offset:self._read_offset])
+        window = self._decode(self.token_ids[self._prefix_offset:])
+        if len(window) <= len(prefix) or window.endswith("\ufffd"):
+            return ""  # NOTE: hold an incomplete character until the token that completes it
+        delta = window[len(prefix):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever is still held, as the full decode has it."""
+        full = self._decode(self.token_ids)
+        if len(full) <= len(self.text) or not full.startswith(self.text):
+            return ""
+        delta, self.text = full[len(self.text):], full
+        return delta
+
+
+class StopStringFilter:
+    """Cuts streamed text at the first stop string.
+
+    NOTE: only new text is searched, with the held-back tail in front of it (never the whole output),
+    and text that could be the start of a stop string is held back until it is known not to be, so
+    no part of a stop string is ever sent.
+    """
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._max_hold = max((len(s) for s in self.stops), default=1) - 1
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to send, whether a stop string was hit). After a hit, send nothing more."""
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i != -1]
+        if hits:
+            self._held = ""
+            return buf[:min(hits)], True
+        hold = 0
+        for k in range(min(len(buf), self._max_hold), 0, -1):
+            if any(s.startswith(buf[-k:]) for s in self.stops):
+                hold = k
+                break
+        self._held = buf[len(buf) - hold:]
+        return buf[:len(buf) - hold], False
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class GenerationFailed(Exception):
+    """The backend failed the request (or ended it without output); the message says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"generation failed: {reason}")
+        self.reason = reason
+
+
+class TextChunk(NamedTuple):
+    text: str  # text since the previous chunk, cut before any stop string; may be ""
+    token_ids: list[int]  # tokens generated since the previous chunk (a stop string's may be among them)
+    finish_reason: str | None  # set on the last chunk only: "stop" | "length" | "abort"
+
+
+class Usage(NamedTuple):
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    num_cached_tokens: int  # prompt tokens the (first) prefill found in the prefix cache
+
+
+class TextStream:
+    """One request's generation as text chunks plus usage counts; see the module docstring."""
+
+    def __init__(self, backend: GenerateBackend, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams, priority: int, tokenizer: Any):
+        self.backend = backend
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_completion_tokens = 0
+        self.num_cached_tokens = 0  # from the first event
+        self.finish_reason: str | None = None
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stops = StopStringFilter(params.stop)
+        self._gen = backend.generate(request_id, prompt_token_ids, params, priority)
+        self._first: TokenDelta | None = None
+        self._done = False  # the backend has nothing more for this request
+
+    async def start(self) -> None:
+        """Wait for the first event. Raises what the backend raises before accepting the request
+        (`QueueFullError`, `InvalidRequestError`) and `GenerationFailed` if it fails at once."""
+        try:
+            self._first = await self._gen.__anext__()
+        except StopAsyncIteration:
+            self._done = True
+            raise GenerationFailed("the backend ended the request without output") from None
+        except Exception:
+            # NOTE: rejected (queue full, invalid): never accepted, nothing to abort. A cancellation
+            # (client gone, queue wait over) is not caught: close() must still abort.
+            self._done = True
+            raise
+        first = self._first
+        self.num_cached_tokens = first.num_cached_tokens
+        if first.finished and first.finish_reason == "error" and not first.token_ids:
+            self._done = True
+            raise GenerationFailed(first.error or "the backend reported an error")
+
+    async def chunks(self) -> AsyncIterator[TextChunk]:
+        """Chunks with text or tokens; the last one has finish_reason. A failure after the first chunk
+        raises `GenerationFailed` (after a chunk with whatever came before it)."""
+        assert self._first is not None, "call start() first"
+        delta, self._first = self._first, None
+        while True:
+            self.num_completion_tokens += len(delta.token_ids)
+            text = self._detok.push(delta.token_ids)
+            if delta.finished:
+                self._done = True
+                text += self._detok.flush()
+            out, stopped = self._stops.feed(text)
+            if stopped:
+                await self._abort()  # NOTE: the model may still be generating: its tokens are unwanted
+                self.finish_reason = "stop"
+                yield TextChunk(out, delta.token_ids, "stop")
+                return
+            if delta.finished:
+                out += self._stops.flush()
+                if delta.finish_reason == "error":
+                    if out or delta.token_ids:
+                        yield TextChunk(out, delta.token_ids, None)
+                    raise GenerationFailed(delta.error or "the backend reported an error")
+                self.finish_reason = delta.finish_reason or "stop"
+                yield TextChunk(out, delta.token_ids, self.finish_reason)
+                return
+            if out or delta.token_ids:
+                yield TextChunk(out, delta.token_ids, None)
+            try:
+                delta = await self._gen.__anext__()
+            except StopAsyncIteration:
+                self._done = True
+                raise GenerationFailed("the backend stream ended before the request finished") from None
+
+    async def close(self) -> None:
+        """Abort the backend request unless it finished; safe to call from a cancelled task."""
+        with anyio.CancelScope(shield=True):
+            await self._abort()
+            await self._gen.aclose()
+
+    async def _abort(self) -> None:
+        if not self._done:
+            self._done = True
+            await self.backend.abort(self.request_id)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.num_prompt_tokens, self.num_completion_tokens, self.num_cached_tokens)
