@@ -26,7 +26,9 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
+    """The whole CLI. `serve_flags=False` leaves out `serve`'s flags, which are made from the settings
+    dataclasses and so import the engine (torch): `pdserve bench` does not need them."""
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="offline generation on the engine alone (no Ray)")
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     else:
-        add_serve_parser(sub)
+        add_serve_parser(sub, flags=serve_flags)
     try:
         from deployments.bench_cli import add_bench_parser
     except ImportError:
@@ -51,11 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(serve_flags=not argv or argv[0] != "bench").parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:  # a bad setting: its message names the field; no traceback
-        from engine.errors import EngineConfigError
+        from engine.errors import EngineConfigError  # ServeConfigError is one too
 
         if not isinstance(exc, EngineConfigError):
             raise

@@ -1,15 +1,36 @@
 """Serving settings: one frozen dataclass, checked when built, shared by the CLI, the app builder and
-the actors. Every field is documented in README.md ("Server settings")."""
+the actors. Each field documents itself (`setting(...)`); `pdserve serve`'s flags, the keys of
+`serve_config.yaml` / `build_app(args)` and README.md's settings tables are made from these fields
+(`deployments.config_fields`)."""
 
 from __future__ import annotations
 
+import difflib
+import functools
 import os
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from deployments.config_fields import Setting, settings_of
 from engine import EngineConfig
+from engine.config import setting
 from engine.errors import EngineConfigError
 
+
+class ServeConfigError(EngineConfigError):
+    """A server setting is invalid; the message names it and says what to fix. A subclass of
+    `EngineConfigError` so one `except` catches every bad setting on the server path (the engine's
+    own checks run inside `ServeConfig`)."""
+
+
+# Second names of settings, valid as flags (`--prefill-workers`) and as YAML keys (`prefill_workers`).
+ALIASES: dict[str, str] = {"prefill_workers": "num_prefill_workers", "decode_workers": "num_decode_workers",
+                           "threads_per_worker": "num_threads", "prefix_caching": "enable_prefix_caching",
+                           "host": "http_host", "port": "http_port"}
+# Engine settings the server sets per role itself: {engine field: the server setting to use instead}.
+SERVER_SET: dict[str, str] = {"max_prefill_tokens_per_step": "decode_max_prefill_tokens"}
+# Every worker's engine unless told otherwise: one torch thread, so two workers on two cores do not fight.
+DEFAULT_ENGINE = EngineConfig(num_threads=1)
 
 # Ray settings for a Ray instance pdserve starts itself (an existing cluster keeps its own). Serve's
 # controller loop runs every 0.1 s by default; here it only watches the ingress replicas (the router
@@ -42,68 +63,89 @@ def direct_ingress_env(http_port: int, num_ports: int) -> dict[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
-    # Every worker's engine settings (model, dtype, KV cache, batch limits, threads); a decode worker
-    # next to a prefill pool also gets `decode_max_prefill_tokens` (`engine_config`).
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(num_threads=1))
-    model_name: str | None = None  # the name clients pass as `model`; default: derived from the model
-    # 0 prefill workers: colocated (aggregated) serving, each decode worker prefills its own prompts.
-    num_prefill_workers: int = 1
-    num_decode_workers: int = 1
-    # Resources per worker actor: on a GPU cluster num_gpus=1 and the custom resources pin node types.
-    worker_num_cpus: float = 1.0
-    worker_num_gpus: float = 0.0
-    prefill_resources: dict[str, float] = field(default_factory=dict)
-    decode_resources: dict[str, float] = field(default_factory=dict)
-    # With a prefill pool: prompt tokens a decode worker computes per step (local prefills; an urgent
-    # recompute of a moved sequence is not held to it), so its running sequences keep streaming.
-    # None: max_num_batched_tokens.
+    """The whole server: pools, routing, KV transfer, queue, ingress, autoscaling, and every worker's
+    engine settings (`engine`; flat in flags and YAML)."""
+
+    # Not a setting of its own: its fields are (flattened). A decode worker next to a prefill pool
+    # also gets `decode_max_prefill_tokens` (`engine_config`).
+    engine: EngineConfig = field(default_factory=lambda: DEFAULT_ENGINE)
+    model_name: str | None = setting(None, "the name clients pass as `model`", default_doc="from the model")
+    num_prefill_workers: int = setting(1, "prefill pool size at start (Ray actors, each with its own engine); "
+                                          "0: colocated, each decode worker prefills its own prompts",
+                                       doc="See Colocated mode")
+    num_decode_workers: int = setting(1, "decode pool size at start")
+    worker_num_cpus: float = setting(1.0, "Ray CPUs per worker actor")
+    worker_num_gpus: float = setting(0.0, "Ray GPUs per worker actor (1 on GPU nodes)")
+    prefill_resources: dict[str, float] = setting(
+        help_text="custom Ray resources per prefill worker, as JSON", default_factory=dict,
+        doc='`--cluster-resources` sets {"prefill": 0.01}, which pins the pool to the `prefill` node type '
+            "of cluster.yaml")
+    decode_resources: dict[str, float] = setting(help_text="custom Ray resources per decode worker, as JSON",
+                                                 default_factory=dict)
     # NOTE: 128, not 256: on a CPU thread a 256-token chunk takes ~0.7 s, a gap every client of that
     # worker sees, and the gap a dead worker's clients had already waited before their sequences move.
     # Measured (fault_figures, 1P+2D on 2 cores): the longest stall after a kill met its target in 4 of
     # 8 kills at 128 against 1 of 6 at 256, with the same throughput (serving_overhead, 3 passes).
-    decode_max_prefill_tokens: int | None = 128
-    # Conditional disaggregation: a prompt of at most this many tokens is prefilled on a decode worker
-    # when that would start it sooner than the prefill pool's queue would. 0: always the prefill pool.
-    local_prefill_max_tokens: int = 512
-    # The router sends each prompt where its prefix is likely cached (weighed against the queues).
-    # Routing needs the engines' prefix caching (engine.enable_prefix_caching).
-    prefix_aware_routing: bool = True
-    # A prompt a decode worker computed itself (a local prefill, a moved sequence) is copied over the KV
-    # transport into a prefill worker's prefix cache. If that decode worker dies, its sequence is then
-    # recomputed from the end of its prompt, not from its first token. Needs prefix-aware routing.
-    kv_backup: bool = True
-    # A dead decode worker's sequence may resume on another decode worker that pulls the prompt's KV
-    # from the prefill worker caching it (its prompt, or a KV backup), so only the tokens generated
-    # since are recomputed there, without waiting for the prefill worker's step under way.
-    kv_prefix_fetch: bool = True
-    # Router: requests admitted but not yet decoding, beyond which new ones get 429.
-    max_queued_requests: int = 256
-    kv_lease_s: float = 60.0
-    kv_transfer_timeout_s: float = 30.0
-    # A request that has produced nothing for this long ends with an error instead of hanging.
-    request_timeout_s: float = 300.0
-    # Autoscaling by queue depth (off unless a max exceeds its pool's start size).
-    prefill_min_workers: int | None = None  # default: num_prefill_workers
-    prefill_max_workers: int | None = None
-    decode_min_workers: int | None = None
-    decode_max_workers: int | None = None
-    prefill_target_queued_tokens: int = 2048  # queued prompt tokens per prefill worker
-    decode_target_waiting: int = 4  # sequences waiting for a decode slot, per decode worker
-    decode_target_kv_use: float = 0.85  # KV-block use per decode worker
-    upscale_delay_s: float = 2.0  # a scale-up signal must hold this long
-    downscale_delay_s: float = 15.0  # a scale-down signal must hold this long
-    autoscale_interval_s: float = 0.5
-    # A worker that does not answer a ping within this long is treated as dead.
-    health_check_timeout_s: float = 10.0
-    api_key: str | None = None
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    ingress_replicas: int = 1
-    # Serve autoscales the ingress on ongoing requests per replica when this exceeds ingress_replicas.
-    ingress_max_replicas: int | None = None
-    ingress_target_ongoing_requests: float = 64.0
-    # Ray Serve direct ingress: the ingress replica serves HTTP on http_port itself, no proxy hop.
-    direct_ingress: bool = False
+    decode_max_prefill_tokens: int | None = setting(
+        128, "with a prefill pool: prompt tokens a decode worker computes per step (local prefills), so its "
+             "running sequences keep streaming between chunks; none: max_num_batched_tokens",
+        doc="An urgent recompute of a moved sequence is not held to it")
+    local_prefill_max_tokens: int = setting(
+        512, "conditional disaggregation: a prompt up to this long is prefilled on a decode worker when that "
+             "would start it sooner than the prefill pool's queue (0: always the prefill pool)",
+        doc="See Conditional disaggregation")
+    prefix_aware_routing: bool = setting(
+        True, "send each prompt where its prefix is likely cached, weighed against the queues "
+              "(needs enable_prefix_caching)", doc="See Prefix caching and cache-aware routing")
+    kv_backup: bool = setting(
+        True, "copy a prompt a decode worker prefilled itself (local prefill, moved sequence) into a prefill "
+              "worker's prefix cache, so if that decode worker dies its sequence is recomputed from the end of "
+              "its prompt (needs prefix-aware routing)", doc="See Scaling and failures")
+    kv_prefix_fetch: bool = setting(
+        True, "a dead decode worker's sequence moved to another decode worker first pulls the part of its "
+              "prompt a prefill worker caches, instead of recomputing the whole prompt there",
+        doc="See Scaling and failures")
+    max_queued_requests: int = setting(
+        256, "requests admitted but not yet decoding; beyond it new requests get 429 + Retry-After")
+    kv_lease_s: float = setting(60.0, "how long a prefill worker keeps a request's KV for a decode worker to pull")
+    kv_transfer_timeout_s: float = setting(30.0, "the longest one KV transfer may take before it is retried")
+    request_timeout_s: float = setting(300.0, "a request that produces nothing for this long ends with an error")
+    prefill_min_workers: int | None = setting(None, "prefill pool lower bound", group="scaling",
+                                              default_doc="num_prefill_workers")
+    prefill_max_workers: int | None = setting(None, "prefill pool upper bound (above the start size: autoscaling)",
+                                              group="scaling", default_doc="num_prefill_workers")
+    decode_min_workers: int | None = setting(None, "decode pool lower bound", group="scaling",
+                                             default_doc="num_decode_workers")
+    decode_max_workers: int | None = setting(None, "decode pool upper bound (above the start size: autoscaling)",
+                                             group="scaling", default_doc="num_decode_workers")
+    prefill_target_queued_tokens: int = setting(
+        2048, "queued prompt tokens to compute per prefill worker (the parts the router expects in the prefix "
+              "cache not counted); more: scale up, less: down", group="scaling")
+    decode_target_waiting: int = setting(
+        4, "prefilled sequences waiting for a decode slot, per decode worker, before scaling up", group="scaling")
+    decode_target_kv_use: float = setting(
+        0.85, "mean KV-block use of the decode pool before scaling up (down below half of it)", group="scaling")
+    upscale_delay_s: float = setting(2.0, "how long a scale-up signal must hold before acting", group="scaling")
+    downscale_delay_s: float = setting(15.0, "how long a scale-down signal must hold before acting",
+                                       group="scaling")
+    autoscale_interval_s: float = setting(0.5, "how often the router re-evaluates the pool sizes", group="scaling")
+    health_check_timeout_s: float = setting(10.0, "a worker that does not answer a ping this long is treated as dead",
+                                            group="scaling")
+    api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1/*",
+                                  default_doc="$PDSERVE_API_KEY on the command line, else none")
+    http_host: str = setting("127.0.0.1", "HTTP bind address (0.0.0.0 to expose it)",
+                             doc="Under `serve run` / `serve deploy`, Serve's `http_options` decide instead")
+    http_port: int = setting(8000, "HTTP port",
+                             doc="Under `serve run` / `serve deploy`, Serve's `http_options` decide instead")
+    ingress_replicas: int = setting(1, "HTTP and gRPC ingress replicas at start")
+    ingress_max_replicas: int | None = setting(
+        None, "above ingress_replicas: Serve autoscales the HTTP/gRPC ingress on ongoing requests up to this "
+              "many replicas", default_doc="ingress_replicas")
+    ingress_target_ongoing_requests: float = setting(64.0, "ongoing requests per ingress replica Serve aims for")
+    direct_ingress: bool = setting(
+        False, "the ingress replica serves HTTP on http_port itself (Ray Serve's direct ingress), without the "
+               "proxy's relay of every streamed token; Serve's proxy moves to a free port (printed)",
+        doc="See Direct ingress below; under `serve run` / `serve deploy` set Ray's variables yourself")
 
     def direct_ingress_ports(self) -> int:
         """HTTP ports direct ingress may hand out: one per ingress replica of the HTTP and of the gRPC
@@ -112,40 +154,43 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
-            raise EngineConfigError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
+            raise ServeConfigError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
         if self.engine.num_threads is not None and self.engine.num_threads < 1:
-            raise EngineConfigError(f"num_threads must be >= 1, got {self.engine.num_threads}")
+            raise ServeConfigError(f"num_threads must be >= 1, got {self.engine.num_threads}")
         for name in ("num_decode_workers", "max_queued_requests"):
             if getattr(self, name) < 1:
-                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ServeConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_prefill_workers < 0:
-            raise EngineConfigError(f"num_prefill_workers must be >= 0 (0: colocated), got {self.num_prefill_workers}")
-        if self.worker_num_cpus < 0 or self.worker_num_gpus < 0:
-            raise EngineConfigError("worker_num_cpus / worker_num_gpus must be >= 0")
-        if self.local_prefill_max_tokens < 0:
-            raise EngineConfigError(f"local_prefill_max_tokens must be >= 0 (0: off), got {self.local_prefill_max_tokens}")
-        for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s"):
+            raise ServeConfigError(f"num_prefill_workers must be >= 0 (0: colocated), got {self.num_prefill_workers}")
+        for name in ("worker_num_cpus", "worker_num_gpus", "local_prefill_max_tokens", "upscale_delay_s",
+                     "downscale_delay_s"):
+            if getattr(self, name) < 0:
+                raise ServeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s", "ingress_target_ongoing_requests",
+                     "autoscale_interval_s"):
             if getattr(self, name) <= 0:
-                raise EngineConfigError(f"{name} must be > 0")
+                raise ServeConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.decode_max_prefill_tokens is not None and self.decode_max_prefill_tokens <= 0:
+            raise ServeConfigError(f"decode_max_prefill_tokens must be > 0 (or none: max_num_batched_tokens), "
+                                   f"got {self.decode_max_prefill_tokens}")
+        self._check_pool_bounds()
+        if self.ingress_replicas < 1 or self.ingress_max_replicas is not None and \
+                self.ingress_max_replicas < self.ingress_replicas:
+            raise ServeConfigError(f"need 1 <= ingress_replicas ({self.ingress_replicas}) <= ingress_max_replicas "
+                                   f"({self.ingress_max_replicas})")
+        self.engine_config("decode")  # checks the engine fields too
+
+    def _check_pool_bounds(self) -> None:
         for pool in ("prefill", "decode"):
             n = getattr(self, f"num_{pool}_workers")
             lo, hi = self.pool_bounds(pool)
             if self.colocated and pool == "prefill":
                 if lo or hi:
-                    raise EngineConfigError("with num_prefill_workers=0 (colocated) the prefill pool cannot scale: "
-                                            f"prefill_min_workers ({lo}) and prefill_max_workers ({hi}) must be 0")
+                    raise ServeConfigError("with num_prefill_workers=0 (colocated) the prefill pool cannot scale: "
+                                           f"prefill_min_workers ({lo}) and prefill_max_workers ({hi}) must be 0")
             elif not (1 <= lo <= n <= hi):
-                raise EngineConfigError(f"need 1 <= {pool}_min_workers ({lo}) <= num_{pool}_workers ({n}) "
-                                        f"<= {pool}_max_workers ({hi})")
-        if self.ingress_replicas < 1 or self.ingress_max_replicas is not None and \
-                self.ingress_max_replicas < self.ingress_replicas:
-            raise EngineConfigError(f"need 1 <= ingress_replicas ({self.ingress_replicas}) <= ingress_max_replicas "
-                                    f"({self.ingress_max_replicas})")
-        if self.ingress_target_ongoing_requests <= 0:
-            raise EngineConfigError("ingress_target_ongoing_requests must be > 0")
-        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0 or self.autoscale_interval_s <= 0:
-            raise EngineConfigError("upscale_delay_s / downscale_delay_s must be >= 0, autoscale_interval_s > 0")
-        self.engine_config("decode")  # checks the engine fields too
+                raise ServeConfigError(f"need 1 <= {pool}_min_workers ({lo}) <= num_{pool}_workers ({n}) "
+                                       f"<= {pool}_max_workers ({hi})")
 
     @property
     def routes_by_prefix(self) -> bool:
@@ -199,26 +244,48 @@ class ServeConfig:
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> ServeConfig:
-        """Build from a flat settings dict (`serve run` args): ServeConfig's own names and
-        EngineConfig's, side by side; an `engine` dict (as `to_dict` writes it) is accepted too.
-        Aliases `prefill_workers` / `decode_workers` / `threads_per_worker` are accepted."""
+        """Build from a flat settings dict (`serve_config.yaml` args, `pdserve serve` flags): the names
+        of `serve_settings()` (ServeConfig's own fields, EngineConfig's, their aliases), each value
+        checked against its field's type. An `engine` dict (as `to_dict` writes it) is accepted too."""
         args = dict(args or {})
-        aliases = {"prefill_workers": "num_prefill_workers", "decode_workers": "num_decode_workers",
-                   "threads_per_worker": "num_threads"}
-        for a, real in aliases.items():
-            if a in args:
-                args[real] = args.pop(a)
-        engine_args = dict(args.pop("engine", None) or {})
-        engine_names = {f.name for f in fields(EngineConfig)}
-        own = {f.name for f in fields(cls)} - {"engine"}
-        for name in list(args):
-            if name in engine_names:
-                engine_args[name] = args.pop(name)
-        unknown = sorted(set(args) - own)
-        if unknown:
-            raise EngineConfigError(f"unknown setting(s) {unknown}; valid: {sorted(own | engine_names)}")
-        engine_args.setdefault("num_threads", 1)
-        return cls(engine=EngineConfig(**engine_args), **args)
+        try:
+            engine = replace(DEFAULT_ENGINE, **dict(args.pop("engine", None) or {}))
+        except TypeError as exc:  # an unknown field in a hand-written `engine` dict
+            raise ServeConfigError(f"engine: {exc}") from None
+        by_key = {key: s for s in serve_settings() for key in s.keys}
+        own: dict[str, Any] = {}
+        engine_args: dict[str, Any] = {}
+        given: dict[str, str] = {}  # field -> the key that set it
+        for key, value in args.items():
+            s = by_key.get(key)
+            if s is None:
+                raise ServeConfigError(_unknown_setting(key, by_key))
+            if s.name in given:
+                raise ServeConfigError(f"{key} and {given[s.name]} set the same setting: keep one")
+            given[s.name] = key
+            try:
+                value = s.check(value)
+            except ValueError as exc:
+                raise ServeConfigError(f"{key}: {exc}") from None
+            (engine_args if s.owner == "engine" else own)[s.name] = value
+        return cls(engine=replace(engine, **engine_args), **own)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@functools.cache
+def serve_settings() -> tuple[Setting, ...]:
+    """Every server setting: ServeConfig's own fields, then the engine's (flattened, with the server's
+    default engine), less those the server sets itself (`SERVER_SET`)."""
+    defaults = ServeConfig()
+    return (*settings_of(ServeConfig, "serve", defaults, ALIASES, skip=frozenset({"engine"})),
+            *settings_of(EngineConfig, "engine", defaults.engine, ALIASES, skip=frozenset(SERVER_SET)))
+
+
+def _unknown_setting(key: str, by_key: dict[str, Setting]) -> str:
+    if key in SERVER_SET:
+        return f"{key} is set per worker role by the server: set {SERVER_SET[key]} instead"
+    near = difflib.get_close_matches(key, list(by_key), n=3)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    return f"unknown setting {key!r}: {hint}README.md \"Server settings\" lists them all"

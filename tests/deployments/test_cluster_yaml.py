@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
+from deployments.app import build_app
+from deployments.config import DEFAULT_ENGINE, ServeConfig
 from deployments.frontend.grpc_app import SERVICER_FUNCTION
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,5 +64,20 @@ def test_serve_config_is_a_valid_deploy_schema():
     schema = ServeDeploySchema.model_validate(raw)
     (app,) = schema.applications
     assert app.import_path == "deployments.app:build_app"
-    assert app.args == {"model": None, "prefill_workers": 1, "decode_workers": 1}
+    assert app.args == {"model": None, "num_prefill_workers": 1, "num_decode_workers": 1}
     assert schema.grpc_options.grpc_servicer_functions == [SERVICER_FUNCTION]
+
+
+def test_serve_config_args_are_settings_the_app_builder_takes():
+    # The same names as `pdserve serve`'s flags: build_app checks each key and value (nothing starts).
+    (app,) = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"]
+    cfg = ServeConfig.from_dict(app["args"])
+    assert (cfg.engine.model, cfg.num_prefill_workers, cfg.num_decode_workers) == (None, 1, 1)
+    build_app(app["args"])
+    # The GPU-cluster lines, commented out in the file, are valid settings too.
+    text = (ROOT / "serve_config.yaml").read_text()
+    gpu = yaml.safe_load("\n".join(line.strip().removeprefix("# ") for line in text.splitlines()
+                                    if re.match(r"\s+# [a-z_]+: ", line)))
+    assert ServeConfig.from_dict(gpu) == ServeConfig(
+        engine=replace(DEFAULT_ENGINE, device="cuda"), worker_num_gpus=1.0, prefill_resources={"prefill": 0.01},
+        decode_resources={"decode": 0.01})
