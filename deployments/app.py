@@ -1,7 +1,8 @@
 """The Serve application: an OpenAI-compatible ingress in front of the router and its worker pools.
 
 `build_app(args)` is the thin public builder (also the `import_path` for `serve run` / `serve deploy`):
-it checks the whole config up front and says what to fix.
+it checks the whole config up front and says what to fix (`ServeConfigError`). Its args take exactly
+the names of `pdserve serve`'s flags, with underscores (`ServeConfig.from_dict`).
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ class OpenAIIngress:
         info = ray.get(self.router.wait_ready.remote(900.0), timeout=960.0)
         hub_id = f"hub-{uuid.uuid4().hex[:8]}"
         self.hub = StreamHub.options(name=None).remote()
-        tokenizer = AutoTokenizer.from_pretrained(info["model_dir"])
+        tokenizer = AutoTokenizer.from_pretrained(info.model_dir)
         self.backend = RouterBackend(self.router, self.hub, hub_id, cfg.request_timeout_s)
-        self._asgi = build_openai_app(self.backend, tokenizer, cfg.served_model_name, info["max_model_len"],
-                                      api_key=cfg.api_key, vocab_size=info["vocab_size"])
+        self._asgi = build_openai_app(self.backend, tokenizer, cfg.served_model_name, info.max_model_len,
+                                      api_key=cfg.api_key, vocab_size=info.vocab_size)
 
     def __serve_build_asgi_app__(self):
         # NOTE: built per replica after __init__, so the app holds this replica's backend and hub.
@@ -84,8 +85,8 @@ def _router_serving_state(config: dict):
     info = ray.get(router.wait_ready.remote(900.0), timeout=960.0)
     hub = StreamHub.options(name=None).remote()
     backend = RouterBackend(router, hub, f"hub-{uuid.uuid4().hex[:8]}", cfg.request_timeout_s)
-    return ServingState(backend, AutoTokenizer.from_pretrained(info["model_dir"]), cfg.served_model_name,
-                        info["max_model_len"])
+    return ServingState(backend, AutoTokenizer.from_pretrained(info.model_dir), cfg.served_model_name,
+                        info.max_model_len)
 
 
 def build_grpc_app(args: dict | None = None) -> serve.Application:
@@ -101,6 +102,7 @@ def build_grpc_app(args: dict | None = None) -> serve.Application:
 
 
 def build_app(args: dict | None = None) -> serve.Application:
-    """Build the pdserve application from a settings dict (see README "Server settings")."""
+    """Build the pdserve application from a settings dict: `pdserve serve`'s flag names with
+    underscores (README "Server settings"). Raises ServeConfigError on an unknown or bad setting."""
     cfg = ServeConfig.from_dict(args or {})
     return OpenAIIngress.options(**cfg.ingress_options()).bind(cfg.to_dict())

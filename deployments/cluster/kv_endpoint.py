@@ -18,24 +18,22 @@ Any failure raises a `kv_transfer.KVTransferError` subclass on the decode side w
 sides freed (the exporter frees on its own failures; a pull that fails before the push starts tells
 it to); the caller re-prefills the request. Leases expire as the last resort (`reap_expired`).
 
-Usage in the actors (the prefill actor must accept concurrent calls: `max_concurrency` >= 2 plus the
-number of decode peers, since `kv_push` blocks for the duration of a transfer):
+Usage in the actors (prefill_worker.py, decode_worker.py; an exporting actor must accept concurrent
+calls: `max_concurrency` >= 2 plus the number of peers, since `kv_push` blocks for a transfer):
 
-    @ray.remote(max_concurrency=8)
-    class PrefillWorker(KVExportMixin):
+    @ray.remote(max_concurrency=16)
+    class PrefillWorker(KVExportMixin, EngineWorker):
         def __init__(self, ...):
-            self.kv_exporter = KVExporter(worker_id, engine, engine_lock=self.lock)
+            self.kv_exporter = KVExporter(worker_id, engine, engine_lock=self.lock, free=self._free_lease)
         ...   out = prefilled RequestOutput -> handle = self.kv_exporter.grant(out, num_prompt_tokens)
 
-    @ray.remote(max_concurrency=8)
-    class DecodeWorker:
-        def __init__(self, ...):
-            self.kv_importer = KVImporter(worker_id, engine, engine_lock=self.lock)
-        def start(self, handle, prefill_actor, prompt_ids, params):
+    @ray.remote(max_concurrency=32)
+    class DecodeWorker(KVExportMixin, EngineWorker):   # EngineWorker makes `self.kv_importer`
+        def admit(self, req, handle, prefill_actor):
             block_ids = self.kv_importer.pull(handle, prefill_actor)
             with self.lock:
-                engine.add_prefilled_request(handle.request_id, prompt_ids, [handle.first_token], params,
-                                             block_ids, handle.num_tokens)
+                engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
+                                             req.params, block_ids, handle.num_tokens)
 """
 
 from __future__ import annotations

@@ -1,10 +1,28 @@
-"""What crosses process boundaries between ingress, router and workers (plain slots dataclasses)."""
+"""What crosses process boundaries between ingress, router and workers: plain slots dataclasses,
+NamedTuples and Enums, never dicts or tuples whose meaning is by position.
+
+    ingress ──submit(GenRequest)──▶ router ──▶ SubmitResult
+    ingress ──wait_ready()────────▶ router ──▶ ModelInfo
+    router  ──info() / snapshot()──▶ worker ──▶ WorkerInfo / WorkerSnapshot
+    router  ──admit() / resume()───▶ decode worker ──▶ Admission
+    workers ──StreamEvent──▶ ingress's StreamHub;  decode worker ──DecodeReport──▶ router (every step)
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from engine import SamplingParams
+from kv_transfer import KVHandle
+
+
+class Role(str, enum.Enum):
+    """A worker's pool. (A `str` so that it doubles as a metrics label and a JSON key via `.value`.)"""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
 
 
 @dataclass(slots=True)
@@ -59,3 +77,75 @@ class DecodeReport:
     step_s: float = 0.0
     num_preempted: int = 0
     prefill_backlog: int = 0  # prompt tokens still to compute here (local prefills, moved sequences)
+
+
+class SubmitResult(NamedTuple):
+    """The router's answer to `submit`: accepted, or refused because its queue is full (the ingress
+    answers 429 with `retry_after_s`)."""
+
+    accepted: bool
+    retry_after_s: float = 0.0
+    reason: str = ""
+
+
+class ModelInfo(NamedTuple):
+    """What the ingress needs to know about the served model (`Router.wait_ready`)."""
+
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's answer to `info()`, once its model is loaded."""
+
+    worker_id: str
+    role: Role
+    model: ModelInfo
+    num_blocks: int
+    block_size: int
+    node_ip: str
+    node_id: str
+
+
+class LeasedKV(NamedTuple):
+    """A prefilled request whose KV a prefill worker holds leased for a decode worker to pull."""
+
+    req: GenRequest
+    handle: KVHandle
+
+
+@dataclass(slots=True)
+class WorkerSnapshot:
+    """What a worker holds, for a restarted router rebuilding its state (`Recovery.rebuild`)."""
+
+    decoding: list[GenRequest] = field(default_factory=list)  # decode worker: its running requests
+    prefilling: list[GenRequest] = field(default_factory=list)  # prefill worker: queued or running
+    leased: list[LeasedKV] = field(default_factory=list)  # prefill worker: prefilled, KV not yet pulled
+
+
+class Admission(NamedTuple):
+    """A decode worker's answer to `admit` (pull prefilled KV) or `resume` (run a prompt whole):
+    taken, or refused with the reason (a failed KV pull, or the engine refusing the request)."""
+
+    accepted: bool
+    reason: str = ""
+
+
+class BackupTo(NamedTuple):
+    """`DecodeWorker.resume`: once the prompt is computed, copy its full blocks from `first_block` on
+    into this prefill worker's prefix cache (`PrefillWorker.kv_backup`)."""
+
+    worker_id: str
+    actor: Any
+    first_block: int
+
+
+class FetchFrom(NamedTuple):
+    """`DecodeWorker.resume`: this prefill worker caches about the first `num_tokens` prompt tokens;
+    pull them before computing the rest (`PrefillWorker.kv_lease_prefix`)."""
+
+    worker_id: str
+    actor: Any
+    num_tokens: int

@@ -1,4 +1,8 @@
-"""`RouterBackend`: the ingress's `GenerateBackend` over the router and this replica's StreamHub."""
+"""`RouterBackend`: the ingress's `GenerateBackend` over the router and this replica's StreamHub.
+
+    generate ─▶ hub.open ─▶ router.submit (SubmitResult; refused: QueueFullError, the ingress's 429)
+             ◀─ TokenDeltas ◀─ one long poll of the hub for all of this replica's streams (`_poll`)
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import ray
 
 from deployments import metrics
 from deployments.frontend.backend import QueueFullError, TokenDelta
-from deployments.cluster.messages import GenRequest
+from deployments.cluster.messages import GenRequest, SubmitResult
 from engine import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -22,6 +26,9 @@ _LOST = None  # put on a stream's queue when the hub is gone
 
 
 class RouterBackend:
+    """`GenerateBackend` for the Ray router: submits each request to the router and streams its tokens
+    from this replica's StreamHub, where the workers push them."""
+
     def __init__(self, router: Any, hub: Any, hub_id: str, request_timeout_s: float = 300.0):
         self.router = router
         self.hub = hub
@@ -56,19 +63,25 @@ class RouterBackend:
                 if q is not None:
                     q.put_nowait(events)
 
+    async def _submit(self, req: GenRequest) -> asyncio.Queue:
+        """Open `req`'s stream in the hub and hand it to the router; the queue its events arrive on.
+        QueueFullError when the router refuses it."""
+        await self.hub.open.remote(req.request_id, self._consumer)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[req.request_id] = queue
+        res: SubmitResult = await self.router.submit.remote(req)
+        if not res.accepted:
+            self._queues.pop(req.request_id, None)
+            await self.hub.close.remote(req.request_id)
+            raise QueueFullError(f"server busy: {res.reason or 'queue full'}", res.retry_after_s or 1.0)
+        return queue
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[TokenDelta]:
         timer = metrics.RequestTimer()
-        await self.hub.open.remote(request_id, self._consumer)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        req = GenRequest(request_id, list(prompt_token_ids), params, self.hub_id, self.hub, priority=priority,
-                         num_original_prompt_tokens=len(prompt_token_ids), arrival_time=time.time())
-        res = await self.router.submit.remote(req)
-        if not res["ok"]:
-            self._queues.pop(request_id, None)
-            await self.hub.close.remote(request_id)
-            raise QueueFullError(f"server busy: {res.get('reason', 'queue full')}", res.get("retry_after_s", 1.0))
+        queue = await self._submit(GenRequest(request_id, list(prompt_token_ids), params, self.hub_id, self.hub,
+                                              priority=priority, num_original_prompt_tokens=len(prompt_token_ids),
+                                              arrival_time=time.time()))
         finished = False
         finish_reason = None
         num_cached: int | None = None  # the first prefill's prefix-cache hits (the first event with tokens)

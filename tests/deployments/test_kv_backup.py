@@ -17,8 +17,9 @@ import pytest
 import ray
 
 from deployments.config import ServeConfig
-from deployments.cluster.messages import GenRequest
-from deployments.cluster.workers import DecodeWorker, PrefillWorker
+from deployments.cluster.decode_worker import DecodeWorker
+from deployments.cluster.messages import Admission, BackupTo, FetchFrom, GenRequest
+from deployments.cluster.prefill_worker import PrefillWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -122,7 +123,7 @@ def test_local_prefill_is_copied_to_the_prefill_cache(workers, first_block):
         assert ray.get(prefill.kv_release.remote(head, handle.epoch), timeout=30)
     req = GenRequest(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), "hub", hub,
                      num_original_prompt_tokens=len(prompt), arrival_time=time.time())
-    assert ray.get(decode.resume.remote(req, ("p0", prefill, first_block)), timeout=30) is True
+    assert ray.get(decode.resume.remote(req, BackupTo("p0", prefill, first_block)), timeout=30) == Admission(True)
     got = _wait(lambda: [c for c in ray.get(router.get.remote("on_kv_backup")) if c[1] == rid])
     assert got == [("p0", rid, 5 * BS, (5 - first_block) * BS)]
     toks = _wait(lambda: (t := ray.get(hub.tokens.remote(rid))[0]) and len(t) == 12 and t)
@@ -159,7 +160,7 @@ def test_moved_sequence_fetches_its_cached_prefix(workers, survivor):
     moved = GenRequest("fetched", prompt + want[:6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
                        "hub", hub, offset=6, num_original_prompt_tokens=len(prompt), arrival_time=time.time(),
                        attempt=1)
-    assert ray.get(survivor.resume.remote(moved, None, ("p0", prefill, 5 * BS)), timeout=60) is True
+    assert ray.get(survivor.resume.remote(moved, None, FetchFrom("p0", prefill, 5 * BS)), timeout=60) == Admission(True)
     toks = _wait(lambda: (t := ray.get(hub.tokens.remote("fetched"))[0]) and len(t) == 6 and t)
     assert toks == want[6:]
     _, events = ray.get(hub.tokens.remote("fetched"))
@@ -172,7 +173,8 @@ def test_moved_sequence_fetches_its_cached_prefix(workers, survivor):
     want2 = _greedy(other, 4)
     moved2 = GenRequest("not-cached", other, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "hub",
                         hub, num_original_prompt_tokens=len(other), arrival_time=time.time(), attempt=1)
-    assert ray.get(survivor.resume.remote(moved2, None, ("p0", prefill, 3 * BS)), timeout=60) is True
+    fetch = FetchFrom("p0", prefill, 3 * BS)
+    assert ray.get(survivor.resume.remote(moved2, None, fetch), timeout=60) == Admission(True)
     assert _wait(lambda: (t := ray.get(hub.tokens.remote("not-cached"))[0]) and len(t) == 4 and t) == want2
     assert ray.get(survivor.kv_stats.remote(), timeout=30)["prefix_fetches"] == 1
 

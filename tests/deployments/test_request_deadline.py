@@ -11,6 +11,7 @@ import time
 import pytest
 import ray
 
+from deployments.cluster.messages import SubmitResult
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
@@ -27,7 +28,7 @@ class StuckRouter:
 
     def submit(self, req):
         self.submitted.append(req.request_id)
-        return {"ok": True}
+        return SubmitResult(True)
 
     def abort(self, request_id):
         self.aborted.append(request_id)

@@ -1,4 +1,4 @@
-"""`_EngineWorker._on_blocks`: a block-manager call runs under the engine lock, or during the forward
+"""`EngineWorker._on_blocks`: a block-manager call runs under the engine lock, or during the forward
 pass of the step holding it, and never while the lock is held for anything else."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.cluster.workers import _EngineWorker
+from deployments.cluster.engine_worker import EngineWorker
 
 
-def _worker() -> _EngineWorker:
-    w = object.__new__(_EngineWorker)  # the locking part only: no engine, no actor
+def _worker() -> EngineWorker:
+    w = object.__new__(EngineWorker)  # the locking part only: no engine, no actor
     w.worker_id, w.config = "w", SimpleNamespace(kv_transfer_timeout_s=5.0)
     w.lock, w._window, w._in_forward = threading.RLock(), threading.Lock(), False
     return w
 
 
-def _hold(w: _EngineWorker, in_forward: bool, release: threading.Event, held: threading.Event) -> threading.Thread:
+def _hold(w: EngineWorker, in_forward: bool, release: threading.Event, held: threading.Event) -> threading.Thread:
     def run():
         with w.lock:
             if in_forward:

@@ -1,0 +1,209 @@
+"""The decode worker: pulls prefilled KV, decodes in one continuous batch, reports after every step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple
+
+import ray
+
+from deployments import metrics
+from deployments.cluster.engine_worker import EngineWorker, engine_arrival
+from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin
+from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, FetchFrom, GenRequest, Role, StreamEvent,
+                                          WorkerSnapshot)
+from deployments.config import ServeConfig
+from engine import RequestOutput
+from kv_transfer import KVHandle, KVTransferError
+
+logger = logging.getLogger(__name__)
+
+
+class _Backup(NamedTuple):
+    """A `PrefillWorker.kv_backup` call to make once this step's events are pushed."""
+
+    target: BackupTo
+    handle: KVHandle  # the pinned blocks' lease
+    request_id: str
+    token_ids: list[int]  # the prompt, up to the end of the copied blocks
+
+
+@ray.remote(max_concurrency=32)
+class DecodeWorker(KVExportMixin, EngineWorker):
+    """Pulls prefilled KV, decodes in one continuous batch, reports to the router after every step.
+    Colocated (no prefill pool), it prefills its requests itself (`resume`). A prompt it prefilled
+    itself next to a prefill pool, it copies to a prefill worker's prefix cache (`kv_backup`)."""
+
+    role = Role.DECODE
+
+    def __init__(self, worker_id: str, config: ServeConfig, router: Any):
+        EngineWorker.__init__(self, worker_id, config, router)
+        self._aborted: set[str] = set()
+        # KV backups: request id -> where to copy its prompt, until the prompt is computed; then the
+        # copied blocks, pinned by lease id until the prefill worker has them.
+        self._backups: dict[str, BackupTo] = {}
+        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s,
+                                      free=self._free_lease)
+        self._me = ray.get_runtime_context().current_actor  # the exporter a prefill worker pulls a copy from
+        self.prefix_fetches = 0
+        self.prefix_fetch_tokens = 0
+        self._start()
+
+    def _fail_all(self, message: str) -> None:
+        with self.lock:
+            self._backups.clear()  # their requests end here
+        EngineWorker._fail_all(self, message)
+
+    def admit(self, req: GenRequest, handle: KVHandle, prefill_actor: Any) -> Admission:
+        """Fetch the KV from `prefill_actor` and join the running batch. Refused (the router re-prefills)
+        on any transfer failure; blocks on both sides are already freed then."""
+        t0 = time.perf_counter()
+        try:
+            block_ids = self.kv_importer.pull(handle, prefill_actor)
+        except KVTransferError as exc:
+            logger.warning("%s: KV pull of %s failed: %r", self.worker_id, req.request_id, exc)
+            return Admission(False, f"KV pull failed: {exc!r}")
+        metrics.record_kv_pull(self.worker_id, handle.nbytes, time.perf_counter() - t0)
+        with self.lock:
+            if req.request_id in self._aborted:
+                self._aborted.discard(req.request_id)
+                self.engine.free_blocks(block_ids)
+                return Admission(True)
+            self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token], req.params,
+                                              block_ids, handle.num_tokens, priority=req.priority)
+            self.requests[req.request_id] = req
+        self._wake.set()
+        return Admission(True)
+
+    def resume(self, req: GenRequest, backup: BackupTo | None = None, fetch: FetchFrom | None = None) -> Admission:
+        """Run `req` whole here: prefill included, as chunks mixed into this worker's running batch.
+
+        Two uses: colocated serving (no prefill pool), and taking over a sequence whose decode worker
+        died (its prompt then holds every token the client already has). A moved sequence so neither
+        queues behind new prompts on the prefill pool nor waits for a transfer. Accepted, or refused
+        with the engine's reason (the router then fails it, or goes through prefill).
+
+        `backup`: once the prompt is computed, copy its full blocks from `first_block` on to that
+        prefill worker's prefix cache (`PrefillWorker.kv_backup`).
+
+        `fetch`: that prefill worker has about the first `num_tokens` tokens of the prompt in its
+        prefix cache (a moved sequence: its prompt, or a KV backup). Pull them into this worker's
+        prefix cache first, so only the rest is recomputed here.
+        It happens while both workers' steps run; if it fails, the whole prompt is computed here."""
+        rid = req.request_id
+        self._aborted.discard(rid)
+        fetched = self._fetch_prefix(req, fetch) if fetch is not None else []
+        with self.lock:
+            if fetched:
+                bs = self.engine.block_manager.block_size
+                self.engine.cache_blocks(req.prompt_token_ids[:len(fetched) * bs], fetched)
+            if rid in self._aborted:  # aborted while its prefix was on the way
+                self._aborted.discard(rid)
+                return Admission(True)
+            try:
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
+                                        arrival_time=engine_arrival(req), urgent=req.offset > 0)
+            except ValueError as exc:
+                logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
+                return Admission(False, str(exc) or type(exc).__name__)
+            self.requests[req.request_id] = req
+            if backup is not None:
+                self._backups[req.request_id] = backup
+        self._wake.set()
+        return Admission(True)
+
+    def _fetch_prefix(self, req: GenRequest, src: FetchFrom) -> list[int]:
+        """Pull the cached prefix of `req`'s prompt from prefill worker `src` into new blocks here;
+        their ids, or [] when it has none or the transfer failed (the prompt is then computed here)."""
+        timeout_s = self.config.kv_transfer_timeout_s
+        t0 = time.perf_counter()
+        try:
+            handle = ray.get(src.actor.kv_lease_prefix.remote(req.request_id, req.prompt_token_ids, src.num_tokens),
+                             timeout=timeout_s)
+            if handle is None:
+                return []
+            block_ids = self.kv_importer.pull(handle, src.actor)
+        except (KVTransferError, ray.exceptions.RayError) as exc:
+            logger.info("%s: prefix of %s not fetched from %s: %r", self.worker_id, req.request_id, src.worker_id, exc)
+            return []
+        metrics.record_kv_pull(self.worker_id, handle.nbytes, time.perf_counter() - t0)
+        self.prefix_fetches += 1
+        self.prefix_fetch_tokens += handle.num_tokens
+        return block_ids
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            self._backups.pop(request_id, None)
+            known = request_id in self.requests
+            if not known:
+                self._aborted.add(request_id)  # a pull may be in flight
+            return EngineWorker.abort(self, request_id)
+
+    def snapshot(self) -> WorkerSnapshot:
+        """What this worker holds, for a router rebuilding its state after a restart."""
+        with self.lock:
+            return WorkerSnapshot(decoding=list(self.requests.values()))
+
+    def kv_stats(self) -> dict:
+        return {**self.kv_importer.stats(), **self.kv_exporter.stats(), "prefix_fetches": self.prefix_fetches,
+                "prefix_fetch_tokens": self.prefix_fetch_tokens}
+
+    def close(self) -> None:
+        self.kv_importer.close()
+        self.kv_exporter.close()
+        self.shutdown()
+
+    def _idle(self) -> None:
+        with self.lock:
+            self._settle()
+
+    def _start_backup(self, req: GenRequest, out: RequestOutput) -> _Backup | None:
+        """The prompt of `req` is computed: pin its full blocks past the ones the prefill worker has
+        and lease them (caller holds the lock). Returns the `kv_backup` call to make, or None."""
+        target = self._backups.pop(req.request_id)
+        if out.finished:
+            return None
+        block_ids = self.engine.pin_computed_blocks(req.request_id, len(req.prompt_token_ids), target.first_block)
+        if not block_ids:
+            return None
+        handle = self._grant_pinned(f"{req.request_id}@kv-backup-{next(self._lease_ids)}", block_ids)
+        end = (target.first_block + len(block_ids)) * self.engine.block_manager.block_size
+        return _Backup(target, handle, req.request_id, req.prompt_token_ids[:end])
+
+    def report(self) -> DecodeReport:
+        with self.lock:
+            bm = self.engine.block_manager
+            return DecodeReport(self.worker_id, bm.num_free_blocks, bm.num_blocks, self.engine.num_running,
+                                self.engine.num_waiting, prefill_backlog=self.engine.prefill_backlog)
+
+    def _after_step(self, outs: list[RequestOutput], stats) -> None:
+        events, reqs, finished, backups = [], [], [], []
+        with self.lock:
+            for out in outs:
+                req = self.requests.get(out.request_id)
+                if req is None:
+                    continue
+                if out.request_id in self._backups:
+                    backups.append(self._start_backup(req, out))
+                offset = req.offset + len(out.token_ids) - len(out.new_token_ids)
+                ev = StreamEvent(req.request_id, offset, list(out.new_token_ids),
+                                 num_prompt_tokens=req.num_original_prompt_tokens,
+                                 num_cached_tokens=out.num_cached_tokens)
+                if out.finished:
+                    ev.finished, ev.finish_reason = True, out.finish_reason
+                    del self.requests[out.request_id]
+                    finished.append(out.request_id)
+                events.append(ev)
+                reqs.append(req)
+            report = self.report()
+        self._push(events, reqs)
+        for b in backups:
+            if b is not None:
+                b.target.actor.kv_backup.remote(b.handle, self._me, b.request_id, b.token_ids, b.target.first_block)
+        report.finished_ids = finished
+        report.batch_size = stats.num_seqs
+        report.step_s = stats.duration_s
+        report.num_preempted = stats.num_preempted
+        self.router.report_decode.remote(report)
+

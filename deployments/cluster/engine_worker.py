@@ -1,0 +1,229 @@
+"""The engine worker base: one `LLMEngine` stepped by one background thread, inside a Ray actor.
+
+`PrefillWorker` (prefill_worker.py) and `DecodeWorker` (decode_worker.py) build on it. Actor methods run
+on Ray's thread pool (max_concurrency) and touch the engine only under `self.lock`, except
+block-manager calls, which may also run during a step's forward pass (`_on_blocks`). Tokens go straight
+to the ingress replica's StreamHub; the router gets one small message per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable, TypeVar
+
+import ray
+import torch
+
+from deployments import metrics
+from deployments.cluster.kv_endpoint import KVExporter, KVImporter
+from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
+from deployments.config import ServeConfig
+from engine import LLMEngine, RequestOutput
+from kv_transfer import KVHandle, KVTransferError
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.02
+T = TypeVar("T")
+
+
+def engine_arrival(req: GenRequest) -> float | None:
+    """When the client sent `req`, on the engine's monotonic clock: a resumed or retried request keeps
+    its place in the queue instead of going behind everything that arrived since."""
+    if not req.arrival_time:
+        return None
+    return time.monotonic() - max(0.0, time.time() - req.arrival_time)
+
+
+class EngineWorker:
+    """What both kinds of worker share: the engine, its step loop and lock, the KV importer, and the
+    actor methods the router calls on any worker (info, ping, watch, abort, integrity check)."""
+
+    role: Role  # set by each subclass
+    kv_exporter: KVExporter  # each subclass makes one: both kinds of worker export KV
+
+    def __init__(self, worker_id: str, config: ServeConfig, router: Any):
+        torch.set_num_threads(config.engine.num_threads)
+        self.worker_id = worker_id
+        self.config = config
+        self.router = router
+        self.engine = LLMEngine(config.engine_config(self.role.value))
+        self.lock = threading.RLock()
+        # The forward pass of a step holds `lock` but touches no block-manager state: `_on_blocks`
+        # runs a block-manager call meanwhile instead of after the step (seconds on a CPU thread).
+        self._window = threading.Lock()
+        self._in_forward = False
+        # Blocks this worker holds a reference on for an export (`KVExporter.grant_blocks`), by lease.
+        self._pinned: dict[str, list[int]] = {}
+        self._lease_ids = itertools.count()
+        # Decode workers pull prefilled prompts with it; prefill workers, copies of prompts a decode
+        # worker prefilled itself (`PrefillWorker.kv_backup`).
+        self.kv_importer = KVImporter(worker_id, self.engine, engine_lock=self.lock,
+                                      timeout_s=config.kv_transfer_timeout_s, on_blocks=self._on_blocks)
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._alive = True
+        self.requests: dict[str, GenRequest] = {}
+        self.num_steps = 0
+        self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-loop", daemon=True)
+
+    def _start(self) -> None:
+        """Subclasses call this last in __init__, once everything the loop touches exists."""
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def _forward(self):
+        """Entered by the loop (holding `lock`) around a step's forward pass."""
+        with self._window:
+            self._in_forward = True
+        try:
+            yield
+        finally:
+            with self._window:
+                self._in_forward = False
+
+    def _on_blocks(self, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+        """Run `fn`, which may only call the engine's block-manager methods (allocate, free, take or
+        cache blocks; nothing about requests), under the engine lock, or during the forward pass of
+        the step that holds it. TimeoutError after `timeout_s`."""
+        timeout_s = timeout_s or self.config.kv_transfer_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.lock.acquire(timeout=0.005):
+                try:
+                    return fn()
+                finally:
+                    self.lock.release()
+            with self._window:
+                if self._in_forward:  # the loop holds the lock, inside the forward pass
+                    return fn()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.worker_id}: engine busy for {timeout_s}s")
+
+    def _free_lease(self, lease_id: str) -> None:
+        """`KVExporter`'s `free`: drop a lease's blocks (caller holds the lock)."""
+        blocks = self._pinned.pop(lease_id, None)
+        if blocks is not None:
+            self.engine.free_blocks(blocks)
+        else:
+            self.engine.release_prefilled(lease_id)
+
+    # ------------------------------------------------------------------ actor API
+    def info(self) -> WorkerInfo:
+        e = self.engine
+        return WorkerInfo(self.worker_id, self.role, ModelInfo(e.model_dir, e.max_model_len, e.vocab_size),
+                          e.block_manager.num_blocks, e.block_manager.block_size, ray.util.get_node_ip_address(),
+                          ray.get_runtime_context().get_node_id())
+
+    def ping(self) -> str:
+        return self.worker_id
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            self.requests.pop(request_id, None)
+            return self.engine.abort(request_id)
+
+    def check_integrity(self) -> dict:
+        """Runs the block manager's integrity check; returns block use for the caller's assertions."""
+        with self.lock:
+            self._settle()
+            self.engine.check_integrity()
+            bm = self.engine.block_manager
+            return {"num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
+                    "num_requests": len(self.requests), "num_steps": self.num_steps,
+                    "num_cached_tokens": self.engine.scheduler.num_cached_tokens}
+
+    def shutdown(self) -> None:
+        self._alive = False
+        self._wake.set()
+        self._closed.set()
+
+    def num_requests(self) -> int:
+        with self.lock:
+            return len(self.requests)
+
+    def connect_kv(self, peer_id: str, peer_actor: Any) -> bool:
+        """Open the KV channel that pulls from `peer_id` ahead of the first pull; False if it failed (the
+        first pull then tries again)."""
+        try:
+            self.kv_importer.connect(peer_id, peer_actor)
+            return True
+        except KVTransferError as exc:
+            logger.warning("%s: could not open a KV channel to %s: %r", self.worker_id, peer_id, exc)
+            return False
+
+    def watch(self, timeout_s: float = 300.0) -> bool:
+        """Returns True when this worker shuts down, False after `timeout_s`. The router keeps one call
+        in flight per worker: if the process dies the call fails at once, so the death is noticed
+        without waiting for a ping."""
+        return self._closed.wait(timeout_s)
+
+    # ------------------------------------------------------------------ loop
+    def _idle(self) -> None:
+        pass
+
+    def _settle(self) -> None:
+        """Deferred bookkeeping the engine must see before it is stepped or checked (caller holds the
+        lock): free the blocks of leases that ended, and reap expired ones while this worker holds
+        pinned blocks (a peer that leased them may never pull them)."""
+        self.kv_exporter.free_released()
+        if self._pinned:
+            self.kv_exporter.reap_expired()
+
+    def _grant_pinned(self, lease_id: str, block_ids: list[int]) -> KVHandle:
+        """Lease full blocks this worker holds a reference on; `_free_lease` drops it when the lease ends."""
+        self._pinned[lease_id] = block_ids
+        bs = self.engine.block_manager.block_size
+        return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs)
+
+    def _loop(self) -> None:
+        while self._alive:
+            with self.lock:
+                busy = self.engine.has_unfinished_requests()
+            if not busy:
+                self._idle()
+                with self.lock:
+                    metrics.record_load(self.role.value, self.worker_id, self.engine)
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                with self.lock:
+                    self._settle()
+                    outs = self.engine.step(forward=self._forward())
+                    stats = self.engine.last_step
+                    metrics.record_step(self.role.value, self.worker_id, stats, self.engine)
+                self.num_steps += 1
+                self._after_step(outs, stats)
+            except Exception as exc:  # noqa: BLE001 - a broken step must not kill the worker silently
+                logger.exception("%s: step failed", self.worker_id)
+                self._fail_all(f"{self.role.value} step failed: {exc!r}")
+
+    def _fail_all(self, message: str) -> None:
+        with self.lock:
+            reqs = list(self.requests.values())
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            self.requests.clear()
+        self._push([StreamEvent(r.request_id, r.offset, [], True, "error", message) for r in reqs], reqs)
+        for r in reqs:
+            self.router.on_finished.remote(self.worker_id, r.request_id)
+
+    def _push(self, events: list[StreamEvent], reqs: list[GenRequest]) -> None:
+        """One fire-and-forget call per ingress hub with all of this step's events."""
+        by_hub: dict[str, list[StreamEvent]] = defaultdict(list)
+        hubs: dict[str, Any] = {}
+        for ev, req in zip(events, reqs):
+            by_hub[req.hub_id].append(ev)
+            hubs[req.hub_id] = req.hub
+        for hub_id, evs in by_hub.items():
+            hubs[hub_id].push.remote(evs)
+
+    def _after_step(self, outs: list[RequestOutput], stats) -> None:
+        raise NotImplementedError
+

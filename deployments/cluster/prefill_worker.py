@@ -1,0 +1,154 @@
+"""The prefill worker: runs prompts in prefill-only mode and leases their KV to decode workers."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from deployments.cluster.engine_worker import EngineWorker, engine_arrival
+from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin
+from deployments.cluster.messages import GenRequest, LeasedKV, Role, StreamEvent, WorkerSnapshot
+from deployments.config import ServeConfig
+from engine import RequestOutput
+from kv_transfer import KVHandle, KVTransferError
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(max_concurrency=16)
+class PrefillWorker(KVExportMixin, EngineWorker):
+    """Runs prompts in prefill-only mode (batched by token budget), streams the first token at once,
+    and leases the KV blocks until a decode worker pulls them."""
+
+    role = Role.PREFILL
+
+    def __init__(self, worker_id: str, config: ServeConfig, router: Any):
+        EngineWorker.__init__(self, worker_id, config, router)
+        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s,
+                                      free=self._free_lease)
+        # Requests whose KV is leased out, kept so a restarted router can rebuild its queue.
+        self.leased: dict[str, LeasedKV] = {}
+        self._start()
+
+    def snapshot(self) -> WorkerSnapshot:
+        """What this worker holds, for a router rebuilding its state after a restart."""
+        with self.lock:
+            live = {rid: v for rid, v in self.leased.items() if rid in self.kv_exporter.leases}
+            self.leased = live
+            return WorkerSnapshot(prefilling=list(self.requests.values()), leased=list(live.values()))
+
+    def close(self) -> None:
+        """Drained: release every lease and transfer group."""
+        self.kv_exporter.close()
+        self.kv_importer.close()
+        self.shutdown()
+
+    def kv_backup(self, handle: KVHandle, exporter: Any, request_id: str, token_ids: list[int], first_block: int) -> int:
+        """Pull a copy of prompt KV that decode worker `exporter` computed (a local prefill, a moved
+        sequence) into this worker's prefix cache: `handle` holds the full blocks `first_block`... of
+        `token_ids`. If that decode worker dies, its sequence is recomputed here from the end of these
+        blocks instead of from its first token. Returns the blocks newly cached (0 if the pull failed:
+        the copy is only an optimization)."""
+        try:
+            block_ids = self.kv_importer.pull(handle, exporter)
+        except KVTransferError as exc:
+            logger.info("%s: KV backup of %s not taken: %r", self.worker_id, request_id, exc)
+            return 0
+        with self.lock:
+            n = self.engine.cache_blocks(token_ids, block_ids, first_block)
+        self.router.on_kv_backup.remote(self.worker_id, request_id, len(token_ids), handle.num_tokens)
+        return n
+
+    def kv_lease_prefix(self, request_id: str, token_ids: list[int], max_tokens: int) -> KVHandle | None:
+        """Lease the cached blocks of the longest cached prefix of `token_ids` (at most `max_tokens`
+        tokens) for a decode worker to pull: a moved sequence resumes there and recomputes only the
+        rest (`DecodeWorker.resume`). Does not wait for the step under way. None if nothing is cached."""
+        try:
+            block_ids = self._on_blocks(lambda: self.engine.take_cached_blocks(token_ids, max_tokens))
+        except TimeoutError:
+            return None
+        if not block_ids:
+            return None
+        return self._grant_pinned(f"{request_id}@kv-prefix-{next(self._lease_ids)}", block_ids)
+
+    def add(self, req: GenRequest) -> None:
+        try:
+            with self.lock:
+                self._forget(req.request_id)
+                self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
+                                        prefill_only=True, arrival_time=engine_arrival(req),
+                                        urgent=req.offset > 0)
+                self.requests[req.request_id] = req
+        except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
+            self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
+            self.router.on_finished.remote(self.worker_id, req.request_id)
+            return
+        self._wake.set()
+
+    def _forget(self, request_id: str) -> None:
+        """Drop what an earlier attempt of `request_id` left here (caller holds the lock): the router
+        re-prefills a request whose transfer failed or whose decode worker died, possibly on this
+        worker while the old lease (and its blocks) still lives."""
+        if self.kv_exporter.leases.release(request_id):
+            self.leased.pop(request_id, None)
+        self.kv_exporter.free_released()
+        if request_id in self.requests:
+            self.requests.pop(request_id)
+            self.engine.abort(request_id)
+
+    def release_queued(self, max_tokens: int) -> list[GenRequest]:
+        """Give back the newest requests whose prefill has not started, up to `max_tokens` prompt
+        tokens, so the router can move them to a less loaded (e.g. just added) worker."""
+        out, total = [], 0
+        with self.lock:
+            for r in reversed(list(self.engine.scheduler.waiting)):
+                if r.num_computed_tokens or r.request_id not in self.requests:
+                    continue
+                if total + r.num_prompt_tokens > max_tokens:
+                    break
+                self.engine.abort(r.request_id)
+                out.append(self.requests.pop(r.request_id))
+                total += r.num_prompt_tokens
+        return out
+
+    def queued_prompt_tokens(self) -> int:
+        with self.lock:
+            return sum(len(r.prompt_token_ids) for r in self.requests.values())
+
+    def _idle(self) -> None:
+        self.kv_exporter.reap_expired()
+        self.kv_exporter.free_released()
+        with self.lock:
+            if len(self.leased) > len(self.kv_exporter.leases):
+                self.leased = {rid: v for rid, v in self.leased.items() if rid in self.kv_exporter.leases}
+
+    def _after_step(self, outs: list[RequestOutput], stats) -> None:
+        events, reqs = [], []
+        for out in outs:
+            with self.lock:
+                req = self.requests.pop(out.request_id, None)
+            if req is None:  # aborted while its step ran
+                if out.finish_reason == "prefilled":
+                    with self.lock:
+                        self.engine.release_prefilled(out.request_id)
+                continue
+            ev = StreamEvent(req.request_id, req.offset, list(out.new_token_ids),
+                             num_prompt_tokens=req.num_original_prompt_tokens,
+                             num_cached_tokens=out.num_cached_tokens)
+            if out.finish_reason == "prefilled":
+                handle = self.kv_exporter.grant(out, out.num_prompt_tokens)
+                with self.lock:
+                    self.leased[req.request_id] = LeasedKV(req, handle)
+                self.router.on_prefilled.remote(self.worker_id, req.request_id, handle)
+            else:
+                ev.finished, ev.finish_reason = True, out.finish_reason
+                self.router.on_finished.remote(self.worker_id, req.request_id)
+            events.append(ev)
+            reqs.append(req)
+        self._push(events, reqs)
+
+    def kv_stats(self) -> dict:
+        return {**self.kv_exporter.stats(), **self.kv_importer.stats()}
+

@@ -1,0 +1,197 @@
+"""The router's bookkeeping as plain data: the requests it tracks, its picture of each worker, its
+counters. The router actor owns one `RouterState`; placement, pools and recovery read and update it,
+and none of them holds a Ray handle (the actor keeps those, by worker id).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
+
+from deployments.cluster.messages import DecodeReport, GenRequest, Role, WorkerInfo
+from deployments.cluster.prefix_index import PrefixIndex
+from engine import SamplingParams
+from kv_transfer import KVHandle
+
+
+class Stage(enum.Enum):
+    """Where a tracked request is. `worker_id` / `prefill_worker_id` of `Tracked` say on which worker."""
+
+    UNPLACED = "unplaced"  # no prefill worker to take it yet: waits in `RouterState.unplaced`
+    PREFILL = "prefill"  # queued or running on prefill worker `worker_id`
+    PENDING_DECODE = "pending_decode"  # waits for a decode slot (KV leased on `prefill_worker_id`, or colocated)
+    ADMITTING = "admitting"  # handed to decode worker `worker_id`, its answer not back yet
+    DECODE = "decode"  # decoding on `worker_id`
+    REQUEUEING = "requeueing"  # its worker died or its transfer failed: being placed again
+
+
+def blocks_to_admit(num_tokens: int, block_size: int) -> int:
+    """KV blocks to reserve for a sequence of `num_tokens` joining a decode worker: its tokens plus one
+    block of growth, so that it does not preempt at once."""
+    return -(-num_tokens // block_size) + 1
+
+
+@dataclass(slots=True)
+class Tracked:
+    req: GenRequest
+    params: SamplingParams  # as the client asked; a migrated request's req.params are shortened
+    stage: Stage
+    worker_id: str | None = None
+    handle: KVHandle | None = None
+    prefill_worker_id: str | None = None
+    queued_tokens: int = 0  # what it added to its prefill worker's queue: its prompt less the cached part
+    hashes: list[int] | None = None  # its prompt's block hashes (prefix-aware placement), computed once
+    hashes_of: GenRequest | None = None  # ... for this req (a requeue replaces req and its prompt)
+
+
+@dataclass(slots=True)
+class WorkerView:
+    """The router's picture of one worker (its Ray handle is the actor's, by `worker_id`)."""
+
+    worker_id: str
+    role: Role
+    info: WorkerInfo | None = None  # once its model is loaded
+    ready: bool = False
+    draining: bool = False
+    created_at: float = field(default_factory=time.time)
+    ready_at: float | None = None
+    queued_prompt_tokens: int = 0  # prefill
+    report: DecodeReport | None = None  # decode: its last step report
+    reserved_blocks: int = 0  # decode: blocks promised to admissions not yet in a report
+    reserved_seqs: int = 0
+    reserved_prefill_tokens: int = 0  # decode: prompt tokens handed over to run here, not yet reported
+    max_batch_seen: int = 0
+    num_steps: int = 0
+
+    @property
+    def takes_work(self) -> bool:
+        return self.ready and not self.draining
+
+    def free_capacity(self, max_num_seqs: int) -> tuple[int, int]:
+        """Decode: (free KV blocks, free sequence slots), less what admissions under way reserved."""
+        if self.report is None:
+            blocks, running = (self.info.num_blocks if self.info else 0), 0
+        else:
+            blocks, running = self.report.num_free_blocks, self.report.num_running + self.report.num_waiting
+        return blocks - self.reserved_blocks, max_num_seqs - running - self.reserved_seqs
+
+    def has_room(self, need_blocks: int, max_num_seqs: int) -> bool:
+        """Decode: takes work and has a sequence slot and `need_blocks` free blocks."""
+        free_blocks, free_seqs = self.free_capacity(max_num_seqs)
+        return self.takes_work and free_seqs > 0 and free_blocks >= need_blocks
+
+    def prefill_backlog(self) -> int:
+        """Decode: prompt tokens it has yet to compute (local prefills, moved sequences)."""
+        return (self.report.prefill_backlog if self.report is not None else 0) + self.reserved_prefill_tokens
+
+    def reserve(self, need_blocks: int, prefill_tokens: int = 0) -> None:
+        self.reserved_blocks += need_blocks
+        self.reserved_seqs += 1
+        self.reserved_prefill_tokens += prefill_tokens
+
+    def unreserve(self, need_blocks: int, taken: bool, prefill_tokens: int = 0) -> None:
+        """The admission `reserve` was made for has its answer; if `taken`, count its blocks as used
+        until the worker's next report."""
+        self.reserved_blocks -= need_blocks
+        self.reserved_seqs -= 1
+        self.reserved_prefill_tokens -= prefill_tokens
+        if self.report is not None and taken:
+            self.report = replace(self.report, num_free_blocks=self.report.num_free_blocks - (need_blocks - 1),
+                                  num_running=self.report.num_running + 1,
+                                  prefill_backlog=self.report.prefill_backlog + prefill_tokens)
+
+
+@dataclass(slots=True)
+class Counters:
+    """The router's event counts (`Router.stats()["counters"]`)."""
+
+    submitted: int = 0
+    rejected: int = 0
+    finished: int = 0
+    aborted: int = 0
+    retries: int = 0  # re-prefilled: its prefill worker died or its KV transfer failed
+    migrations: int = 0  # moved off a dead decode worker
+    transfer_failures: int = 0
+    admitted: int = 0
+    worker_deaths: int = 0
+    scale_ups: int = 0
+    scale_downs: int = 0
+    adopted_requests: int = 0
+    failed: int = 0
+    rebalanced: int = 0
+    local_prefills: int = 0
+    prefix_routed: int = 0
+    prefix_routed_tokens: int = 0
+    kv_backups: int = 0
+    kv_backup_tokens: int = 0
+    prefix_fetches: int = 0
+
+
+class MoveRecord(NamedTuple):
+    """Where one sequence of a dead decode worker went (`Placement.place_moved`)."""
+
+    time: float
+    request_id: str
+    to: str
+    tokens: int  # its whole sequence
+    recompute_tokens: int  # what its destination computes (the rest came from a prefix cache)
+    tokens_ahead: int  # prompt tokens its destination computes before it
+    fetch_from: str | None  # the prefill worker a decode destination pulls the cached prefix from
+
+
+@dataclass
+class RouterState:
+    prefix_index: PrefixIndex
+    pools: dict[Role, dict[str, WorkerView]] = field(default_factory=lambda: {r: {} for r in Role})
+    tracked: dict[str, Tracked] = field(default_factory=dict)
+    pending_decode: list[str] = field(default_factory=list)  # request ids waiting for a decode slot
+    unplaced: list[str] = field(default_factory=list)  # request ids waiting for a prefill worker
+    counters: Counters = field(default_factory=Counters)
+    moves: deque[MoveRecord] = field(default_factory=lambda: deque(maxlen=100))
+
+    @property
+    def prefill(self) -> dict[str, WorkerView]:
+        return self.pools[Role.PREFILL]
+
+    @property
+    def decode(self) -> dict[str, WorkerView]:
+        return self.pools[Role.DECODE]
+
+    def workers(self) -> list[WorkerView]:
+        return [w for pool in self.pools.values() for w in pool.values()]
+
+    def num_queued(self) -> int:
+        """Requests accepted but not yet decoding (what `max_queued_requests` limits)."""
+        return sum(1 for t in self.tracked.values() if t.stage is not Stage.DECODE)
+
+    def num_waiting_prefill(self) -> int:
+        return sum(1 for t in self.tracked.values() if t.stage in (Stage.UNPLACED, Stage.PREFILL))
+
+    def load(self, w: WorkerView) -> int:
+        """Tracked requests on `w` (either role): a draining worker closes once this is 0."""
+        return sum(1 for t in self.tracked.values() if w.worker_id in (t.worker_id, t.prefill_worker_id))
+
+    def max_model_len(self) -> int:
+        for w in self.workers():
+            if w.info is not None:
+                return w.info.model.max_model_len
+        return 1 << 30
+
+    def remove_worker(self, w: WorkerView) -> bool:
+        """Drop `w` from its pool and the prefix index; False if it was gone already."""
+        if self.pools[w.role].pop(w.worker_id, None) is None:
+            return False
+        self.prefix_index.remove_worker(w.worker_id)
+        return True
+
+    def finish(self, worker_id: str, request_id: str) -> Tracked | None:
+        """`worker_id` says `request_id` ended there; the tracked entry, if it was still its."""
+        t = self.tracked.get(request_id)
+        if t is None or t.worker_id != worker_id:
+            return None
+        del self.tracked[request_id]
+        self.counters.finished += 1
+        return t
