@@ -16,63 +16,33 @@ rows serve `LLMEngine` (2 threads) behind the same OpenAI ingress in this proces
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
-import threading
-import time
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving_overhead import MODEL_NAME, _bench, _free_port, serve_app  # noqa: E402
+from benchmarks.common import MODEL_NAME, bench_url, engine_http_server, fmt, serve_app  # noqa: E402
 from deployments.bench_cli import BenchConfig  # noqa: E402
+from engine import EngineConfig  # noqa: E402
 
 MODES = ("static", "dynamic", "continuous", "disagg")
 
 
 def run_colocated(policy: str, cfg: BenchConfig, batch_size: int, max_wait_s: float, warmup: int) -> dict:
-    import uvicorn
-
-    from deployments.frontend.backend import LocalEngineBackend
-    from deployments.frontend.http_app import build_openai_app
-    from engine import EngineConfig, LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=None, num_threads=2, batching=policy, max_num_seqs=batch_size,
-                                    max_wait_s=max_wait_s))
-    backend = LocalEngineBackend(engine)
-    port = _free_port()
-    app = build_openai_app(backend, engine.tokenizer, MODEL_NAME, engine.max_model_len)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start in 30 s")
-        time.sleep(0.05)
-    try:
+    config = EngineConfig(model=None, num_threads=2, batching=policy, max_num_seqs=batch_size, max_wait_s=max_wait_s)
+    with engine_http_server(config) as url:
         # NOTE: static batching only starts a batch when B requests wait: warm up with exactly B.
-        return _bench(cfg, f"http://127.0.0.1:{port}", batch_size if policy == "static" else warmup)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        backend.shutdown()
-        del engine, backend, app
-        gc.collect()
+        return bench_url(cfg, url, batch_size if policy == "static" else warmup)
 
 
 def run_disagg(cfg: BenchConfig, batch_size: int, warmup: int) -> dict:
     app_args = {"num_prefill_workers": 1, "num_decode_workers": 1, "threads_per_worker": 1, "max_num_seqs": batch_size}
     with serve_app(app_args, num_cpus=2) as url:
-        return _bench(cfg, url, warmup)
-
-
-def _fmt(x, d=1) -> str:
-    return "-" if x is None else f"{x:,.{d}f}"
+        return bench_url(cfg, url, warmup)
 
 
 def render(results: dict, cfg: BenchConfig, batch_size: int, command: str) -> str:
@@ -87,9 +57,9 @@ def render(results: dict, cfg: BenchConfig, batch_size: int, command: str) -> st
     ]
     for mode, r in results.items():
         m = r["metrics"]
-        lines.append(f"| {mode} | {m['completed']}/{m['num_requests']} | {_fmt(m['request_throughput'], 2)} | "
-                     f"{_fmt(m['output_throughput'])} | {_fmt(m['ttft_ms']['p50'], 0)} | {_fmt(m['ttft_ms']['p99'], 0)} | "
-                     f"{_fmt(m['tpot_ms']['p50'], 0)} | {_fmt(m['tpot_ms']['p99'], 0)} | {_fmt(m.get('goodput'), 2)} |")
+        lines.append(f"| {mode} | {m['completed']}/{m['num_requests']} | {fmt(m['request_throughput'], 2)} | "
+                     f"{fmt(m['output_throughput'])} | {fmt(m['ttft_ms']['p50'], 0)} | {fmt(m['ttft_ms']['p99'], 0)} | "
+                     f"{fmt(m['tpot_ms']['p50'], 0)} | {fmt(m['tpot_ms']['p99'], 0)} | {fmt(m.get('goodput'), 2)} |")
     lines += ["", f"Command: `{command}`"]
     return "\n".join(lines)
 

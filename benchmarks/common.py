@@ -1,21 +1,30 @@
-"""Shared helpers for the benchmarks: the fp32 matmul roofline, workloads, rich tables, JSON.
+"""Shared helpers for the benchmarks: the fp32 matmul roofline, workloads, engine runs, servers to
+benchmark over HTTP (the engine in this process, or a local Ray Serve app), rich tables, JSON.
 
 The roofline is measured in the same process and with the same thread count as the run it judges, so
-a number like "62% of roofline" compares like with like on whatever machine it ran on.
+a number like "62% of roofline" compares like with like on whatever machine it ran on. Ray, Serve and
+uvicorn load only inside the helpers that start them: the engine-only benchmarks never import them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+import os
 import platform
 import random
+import socket
+import threading
 import time
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
+from deployments.bench_cli import BenchConfig, run_benchmark
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.model_runner import can_prepack
 
 # ---------------------------------------------------------------------------------------------- roofline
@@ -138,6 +147,136 @@ def add_workload_args(p) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+
+
+# ---------------------------------------------------------------------------------------------- engine runs
+
+
+def drain(engine: LLMEngine) -> dict[str, list[int]]:
+    """Step until every request has finished, as a burst (nothing else is coming); their token ids."""
+    done: dict[str, list[int]] = {}
+    engine.scheduler.draining = True
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    engine.scheduler.draining = False
+    return done
+
+
+def touch_kv_pool(engine: LLMEngine) -> None:
+    """Write every page of the KV cache once. The engine maps its pool lazily (zero pages on first
+    write, so a worker starts at once), and a fresh pool pays a page fault for each page a step first
+    writes into (~700 faults, ~5 ms of system time in a batch-128 decode step here); a server's pool
+    is past that after its first pass through the blocks. Touch it to time that steady state."""
+    engine.runner.kv_cache.view(-1).view(torch.uint8)[::4096].zero_()
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One short mixed run so the first timed step does not pay for lazy allocations."""
+    touch_kv_pool(engine)
+    for i in range(4):
+        engine.add_request(f"warm-{i}", list(range(100, 100 + 40 * (i + 1))),
+                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    drain(engine)
+
+
+# ---------------------------------------------------------------------------------------------- servers
+
+MODEL_NAME = "SmolLM2-135M-Instruct"  # what the HTTP benchmarks call the model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_url(cfg: BenchConfig, url: str, warmup: int) -> dict:
+    """Warm up (compile paths, caches, KV channels), then the measured run on the same URL."""
+    if warmup:
+        run_benchmark(BenchConfig(base_url=url, model=cfg.model, num_prompts=warmup, input_len=32, output_len=8,
+                                  vocab_size=cfg.vocab_size, seed=cfg.seed + 99, progress=False, timeout_s=300))
+    return run_benchmark(replace(cfg, base_url=url))
+
+
+@contextlib.contextmanager
+def engine_http_server(config: EngineConfig, start_timeout_s: float = 30.0) -> Iterator[str]:
+    """An `LLMEngine` behind the OpenAI HTTP app (`LocalEngineBackend`), served by uvicorn in a thread
+    of this process; yields the base URL. On exit the server and the engine go, and their memory with
+    them before the next row starts."""
+    import uvicorn
+
+    from deployments.frontend.backend import LocalEngineBackend
+    from deployments.frontend.http_app import build_openai_app
+
+    engine = LLMEngine(config)
+    backend = LocalEngineBackend(engine)
+    app = build_openai_app(backend, engine.tokenizer, MODEL_NAME, engine.max_model_len)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound before the server starts: no race for the port
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the in-process uvicorn server did not start in {start_timeout_s:.0f} s")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        backend.shutdown()
+        del engine, backend, app
+        gc.collect()
+
+
+@contextlib.contextmanager
+def serve_app(app_args: dict, num_cpus: int, direct: bool = False) -> Iterator[str]:
+    """A local Ray with the pdserve app built from `app_args`, started as `pdserve serve` starts them
+    (`--direct-ingress` with `direct`); yields the HTTP base URL, then shuts it all down and restores
+    this process's environment."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app, shutdown_router
+    from deployments.config import apply_ray_env_defaults, direct_ingress_env
+
+    port = free_port()
+    saved_env = dict(os.environ)
+    apply_ray_env_defaults()
+    proxy_port = port
+    if direct:  # the ingress replica serves `port`, the proxy moves
+        os.environ.update(direct_ingress_env(port, 2))
+        proxy_port = free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+        t0 = time.perf_counter()
+        serve.run(build_app(app_args), name="pdserve", route_prefix="/")
+        print(f"Ray Serve app {app_args}{' (direct ingress)' if direct else ''} ready in "
+              f"{time.perf_counter() - t0:.1f}s", flush=True)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            shutdown_router()
+            ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved_env)
+
+
+def router_counters() -> dict:
+    """The running app's router counters (migrations, local prefills, prefix routing, ...)."""
+    import ray
+
+    from deployments.app import NAMESPACE, ROUTER_NAME
+
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    return ray.get(router.stats.remote(), timeout=30)["counters"]
 
 
 # ---------------------------------------------------------------------------------------------- output

@@ -46,7 +46,7 @@ import torch
 
 from benchmarks.common import (BenchRequest, add_workload_args, fmt, machine_info, make_workload,
                                measure_read_bandwidth, measure_roofline, params_per_token, print_table,
-                               roofline_tokens_per_s, write_json)
+                               roofline_tokens_per_s, touch_kv_pool, warm_up, write_json)
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 POLICIES = ("static", "dynamic", "continuous")
@@ -78,35 +78,6 @@ def build_engine(args, policy: str, max_num_seqs: int | None = None, kv_cache_mb
         max_num_seqs=max_num_seqs or args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_mb=kv_cache_mb or args.kv_cache_mb, max_wait_s=args.max_wait_s,
         kv_cache_dtype=kv_cache_dtype))
-
-
-def drain(engine: LLMEngine) -> dict[str, list[int]]:
-    """Step until every request has finished, as a burst (nothing else is coming); their token ids."""
-    done: dict[str, list[int]] = {}
-    engine.scheduler.draining = True
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    engine.scheduler.draining = False
-    return done
-
-
-def touch_kv_pool(engine: LLMEngine) -> None:
-    """Write every page of the KV cache once. The engine maps its pool lazily (zero pages on first
-    write, so a worker starts at once), and a fresh pool pays a page fault for each page a step first
-    writes into (~700 faults, ~5 ms of system time in a batch-128 decode step here); a server's pool
-    is past that after its first pass through the blocks. The rows here measure that steady state."""
-    engine.runner.kv_cache.view(-1).view(torch.uint8)[::4096].zero_()
-
-
-def warm_up(engine: LLMEngine) -> None:
-    """One short mixed run so the first timed step does not pay for lazy allocations."""
-    touch_kv_pool(engine)
-    for i in range(4):
-        engine.add_request(f"warm-{i}", list(range(100, 100 + 40 * (i + 1))),
-                           SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    drain(engine)
 
 
 def run_pdserve(engine: LLMEngine, workload: list[BenchRequest], policy: str) -> tuple[RunResult, dict]:

@@ -217,7 +217,8 @@ def main(argv=None) -> int:
         # figures stay comparable. And no local prefill: decode workers prefilling part of the burst would shorten it until it
         # ends before the new worker starts, and this phase measures the prefill pool's scale-up path.
         cfg = replace(cfg, prefill_max_workers=2, prefill_target_queued_tokens=1024, upscale_delay_s=1.0,
-                      downscale_delay_s=30.0, kv_cache_memory_mb=args.burst_kv_cache_mb, local_prefill_max_tokens=0)
+                      downscale_delay_s=30.0, local_prefill_max_tokens=0,
+                      engine=replace(cfg.engine, kv_cache_memory_mb=args.burst_kv_cache_mb))
         router = get_or_create_router(cfg)
         ray.get(router.wait_ready.remote(600), timeout=700)
         backend = RouterBackend(router, StreamHub.remote(), "hub-burst", request_timeout_s=300)

@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving_overhead import MODEL_NAME, _bench, router_counters, serve_app  # noqa: E402
+from benchmarks.common import MODEL_NAME, bench_url, fmt, router_counters, serve_app  # noqa: E402
 from deployments.bench_cli import BenchConfig  # noqa: E402
 
 ROWS = {"off": ("caching off", {"enable_prefix_caching": False}),
@@ -41,7 +41,7 @@ def run_row(cfg: BenchConfig, warmup: int, kv_mb: int, settings: dict) -> dict:
     app_args = {"num_prefill_workers": 2, "num_decode_workers": 1, "threads_per_worker": 1,
                 "kv_cache_memory_mb": kv_mb, **settings}
     with serve_app(app_args, num_cpus=3) as url:
-        result = _bench(cfg, url, warmup)
+        result = bench_url(cfg, url, warmup)
         result["router_counters"] = router_counters()
         return result
 
@@ -50,7 +50,6 @@ def report(results: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    f = lambda x, d=1: "-" if x is None else f"{x:,.{d}f}"  # noqa: E731
     cols = ["setup", "ok", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
             "prompt tok cached", "local prefills", "duration s"]
     table = Table(title="shared-prefix load, 2 prefill + 1 decode workers (1 thread each), same cores",
@@ -62,9 +61,10 @@ def report(results: dict) -> None:
             continue
         m, c = results[key]["metrics"], results[key].get("router_counters", {})
         share = m["cached_prompt_tokens"] / m["total_prompt_tokens"] if m["total_prompt_tokens"] else 0.0
-        table.add_row(name, f"{m['completed']}/{m['num_requests']}", f(m["output_throughput"]),
-                      f(m["ttft_ms"]["p50"]), f(m["ttft_ms"]["p99"]), f(m["tpot_ms"]["p50"]), f(m["tpot_ms"]["p99"]),
-                      f"{share:.0%}", str(c.get("local_prefills", "-")), f(m["duration_s"], 2))
+        table.add_row(name, f"{m['completed']}/{m['num_requests']}", fmt(m["output_throughput"]),
+                      fmt(m["ttft_ms"]["p50"]), fmt(m["ttft_ms"]["p99"]), fmt(m["tpot_ms"]["p50"]),
+                      fmt(m["tpot_ms"]["p99"]), f"{share:.0%}", str(c.get("local_prefills", "-")),
+                      fmt(m["duration_s"], 2))
     if "off" in results:
         base = results["off"]["metrics"]
         for key, (name, _) in ROWS.items():

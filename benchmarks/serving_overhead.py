@@ -27,112 +27,22 @@ Per-token overhead = 1/tput(x) - 1/tput(a).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import os
-import socket
 import sys
-import threading
-import time
-from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deployments.bench_cli import BenchConfig, run_benchmark  # noqa: E402
-
-MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bench(cfg: BenchConfig, url: str, warmup: int) -> dict:
-    """Warm up (compile paths, caches, KV channels), then the measured run on the same URL."""
-    if warmup:
-        run_benchmark(BenchConfig(base_url=url, model=cfg.model, num_prompts=warmup, input_len=32, output_len=8,
-                                  vocab_size=cfg.vocab_size, seed=cfg.seed + 99, progress=False, timeout_s=300))
-    return run_benchmark(replace(cfg, base_url=url))
+from benchmarks.common import MODEL_NAME, bench_url, engine_http_server, fmt, router_counters, serve_app  # noqa: E402
+from deployments.bench_cli import BenchConfig  # noqa: E402
+from engine import EngineConfig  # noqa: E402
 
 
 def run_engine_alone(cfg: BenchConfig, warmup: int) -> dict:
-    import uvicorn
-
-    from deployments.frontend.backend import LocalEngineBackend
-    from deployments.frontend.http_app import build_openai_app
-    from engine import EngineConfig, LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=None, num_threads=2))
-    backend = LocalEngineBackend(engine)
-    port = _free_port()
-    app = build_openai_app(backend, engine.tokenizer, MODEL_NAME, engine.max_model_len)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the in-process uvicorn server did not start in 30 s")
-        time.sleep(0.05)
-    try:
-        return _bench(cfg, f"http://127.0.0.1:{port}", warmup)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        backend.shutdown()
-        del engine, backend, app
-        gc.collect()
-
-
-@contextlib.contextmanager
-def serve_app(app_args: dict, num_cpus: int, direct: bool = False):
-    """A local Ray with the pdserve app built from `app_args`, started as `pdserve serve` starts them
-    (`--direct-ingress` with `direct`); yields the HTTP base URL, then shuts it all down and restores
-    this process's environment."""
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app, shutdown_router
-    from deployments.config import apply_ray_env_defaults, direct_ingress_env
-
-    port = _free_port()
-    saved_env = dict(os.environ)
-    apply_ray_env_defaults()
-    proxy_port = port
-    if direct:  # the ingress replica serves `port`, the proxy moves
-        os.environ.update(direct_ingress_env(port, 2))
-        proxy_port = _free_port()
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
-        t0 = time.perf_counter()
-        serve.run(build_app(app_args), name="pdserve", route_prefix="/")
-        print(f"Ray Serve app {app_args}{' (direct ingress)' if direct else ''} ready in "
-              f"{time.perf_counter() - t0:.1f}s", flush=True)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            shutdown_router()
-            ray.shutdown()
-            os.environ.clear()
-            os.environ.update(saved_env)
-
-
-def router_counters() -> dict:
-    """The running app's router counters (migrations, local prefills, prefix routing, ...)."""
-    import ray
-
-    from deployments.app import NAMESPACE, ROUTER_NAME
-
-    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    return ray.get(router.stats.remote(), timeout=30)["counters"]
+    with engine_http_server(EngineConfig(model=None, num_threads=2)) as url:
+        return bench_url(cfg, url, warmup)
 
 
 def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, direct: bool = False,
@@ -142,16 +52,15 @@ def run_ray_serve(cfg: BenchConfig, warmup: int, prefill: int, threads: int, dir
                 "worker_num_cpus": 1 if prefill else 2, "local_prefill_max_tokens": local_prefill_max_tokens,
                 **settings}
     with serve_app(app_args, num_cpus=2, direct=direct) as url:
-        result = _bench(cfg, url, warmup)
+        result = bench_url(cfg, url, warmup)
         result["router_counters"] = router_counters()
         return result
 
 
 def _row(name: str, m: dict) -> list[str]:
-    f = lambda x, d=1: "-" if x is None else f"{x:,.{d}f}"  # noqa: E731
-    return [name, f"{m['completed']}/{m['num_requests']}", f(m["output_throughput"]), f(m["ttft_ms"]["p50"]),
-            f(m["ttft_ms"]["p99"]), f(m["tpot_ms"]["p50"]), f(m["tpot_ms"]["p99"]), f(m["e2e_ms"]["p50"]),
-            f(m["duration_s"], 2)]
+    return [name, f"{m['completed']}/{m['num_requests']}", fmt(m["output_throughput"]), fmt(m["ttft_ms"]["p50"]),
+            fmt(m["ttft_ms"]["p99"]), fmt(m["tpot_ms"]["p50"]), fmt(m["tpot_ms"]["p99"]), fmt(m["e2e_ms"]["p50"]),
+            fmt(m["duration_s"], 2)]
 
 
 def report(results: dict, threads: int = 1, other_cap: int | None = None) -> dict:

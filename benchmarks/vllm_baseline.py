@@ -47,9 +47,9 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch
 
-from benchmarks.common import (add_workload_args, fmt, machine_info, make_workload, measure_roofline,
-                               params_per_token, print_table, roofline_tokens_per_s, write_json)
-from benchmarks.engine_throughput import drain, touch_kv_pool, warm_up
+from benchmarks.common import (add_workload_args, drain, fmt, machine_info, make_workload, measure_roofline,
+                               params_per_token, print_table, roofline_tokens_per_s, touch_kv_pool, warm_up,
+                               write_json)
 from engine import EngineConfig, LLMEngine, SamplingParams
 
 CHILD = Path(__file__).with_name("vllm_child.py")

@@ -1,15 +1,28 @@
 """KV-cache transfer between prefill and decode workers: leases, packing, transports, protocol.
 
-No Ray in here; deployments/kv_endpoint.py is the Ray glue.
+No Ray in here; deployments/cluster/kv_endpoint.py is the Ray glue. Each module imports only modules
+listed below it (no cycles, no imports inside functions to dodge one):
+
+    factory              make_transport: gloo or NCCL, from the KV cache's device
+    endpoints            KVSender / KVReceiver: one request's leased blocks over the protocol
+    protocol             header, chunks and acknowledgement over one channel
+    gloo, nccl, inproc   the transports
+    transport            the Channel / Transport interface
+    lease                leases on exported blocks
+    packing              blocks to and from contiguous buffers
+    handle               KVHandle, KVLayout
+    errors
 """
 
 from kv_transfer.endpoints import KVReceiver, KVSender
 from kv_transfer.errors import (EpochMismatchError, KVTransferError, LeaseExpiredError, PeerDiedError,
                                 ProtocolError, ReceiverOutOfBlocksError, TransferTimeoutError)
+from kv_transfer.factory import make_transport
 from kv_transfer.handle import KVHandle, KVLayout
+from kv_transfer.inproc import InProcHub, InProcTransport
 from kv_transfer.lease import LeaseTable
 from kv_transfer.packing import pack_blocks, unpack_blocks
-from kv_transfer.transport import Channel, InProcHub, InProcTransport, Transport, make_transport
+from kv_transfer.transport import Channel, Transport
 
 __all__ = [
     "KVHandle", "KVLayout", "LeaseTable", "KVSender", "KVReceiver", "pack_blocks", "unpack_blocks",

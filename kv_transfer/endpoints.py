@@ -1,6 +1,6 @@
 """Both ends of a transfer without any Ray: `KVSender` (prefill side) and `KVReceiver` (decode side).
 
-The Ray glue (deployments/kv_endpoint.py) only adds channel set-up and the "please push" call.
+The Ray glue (deployments/cluster/kv_endpoint.py) only adds channel set-up and the "please push" call.
 """
 
 from __future__ import annotations

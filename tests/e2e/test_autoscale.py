@@ -15,6 +15,7 @@ from deployments.config import ServeConfig
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
+from helpers import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +72,9 @@ def test_placement_and_prefill_burst_scales_up_and_down(fake_cluster):
         # It joined while the burst still queued on the first worker: queued prompts moved to it.
         assert stats["counters"]["rebalanced"] > 0, (stats["counters"], new[0]["ready_at"] - t0, t_done - t0)
 
-    deadline = time.time() + 60  # the burst is over: back down to one worker, after draining
-    while True:
-        stats = ray.get(router.stats.remote())
-        if stats["pools"]["prefill"]["size"] == 1:
-            break
-        assert time.time() < deadline, stats["pools"]
-        time.sleep(0.5)
+    # The burst is over: back down to one worker, after draining.
+    stats = wait_for(lambda: ray.get(router.stats.remote()), lambda stats: stats["pools"]["prefill"]["size"] == 1,
+                     timeout_s=60, interval_s=0.5, what="prefill pool back to 1 worker")
     assert any(d["pool"] == "prefill" and d["action"] == "scale_down" for d in stats["decisions"])
     assert stats["counters"]["failed"] == 0
     use = ray.get(router.check_integrity.remote())

@@ -4,42 +4,26 @@ prefill them in their own batches. Same outputs as the offline engine, no KV mov
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import ray
 
 from deployments.config import ServeConfig
-from deployments.cluster.router import RouterActor
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import LLM, SamplingParams
 from engine.errors import EngineConfigError
+from helpers import local_ray, pdserve_router, wait_finished, wait_no_leaks
 
 PROMPTS = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerate((5, 40, 90, 17, 130, 64, 8, 33))]
 
 
 @pytest.fixture(scope="module")
 def colocated():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-colocated")
-    router = RouterActor.remote(ServeConfig.from_dict(dict(num_prefill_workers=0, num_decode_workers=2, kv_cache_memory_mb=64,
-                                            max_num_batched_tokens=128)))
-    ray.get(router.wait_ready.remote(300), timeout=360)
-    backend = RouterBackend(router, StreamHub.remote(), "hub-colocated", request_timeout_s=120)
-    yield router, backend
-    ray.get(router.shutdown.remote(), timeout=60)
-    ray.kill(router)
-    ray.shutdown()
-
-
-def _no_leaks(router, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        use = ray.get(router.check_integrity.remote(), timeout=30)
-        if all(u["num_used_blocks"] == 0 and u["num_requests"] == 0 for u in use.values()):
-            return use
-        assert time.monotonic() < deadline, f"blocks still held: {use}"
-        time.sleep(0.2)
+    cfg = ServeConfig.from_dict(dict(num_prefill_workers=0, num_decode_workers=2, kv_cache_memory_mb=64,
+                                     max_num_batched_tokens=128))
+    with local_ray(4, namespace="pdserve-colocated"), pdserve_router(cfg, timeout_s=300) as router:
+        yield router, RouterBackend(router, StreamHub.remote(), "hub-colocated", request_timeout_s=120)
 
 
 def test_config_rejects_a_scaling_prefill_pool_when_colocated():
@@ -66,12 +50,7 @@ def test_colocated_streams_match_offline_and_move_no_kv(colocated):
         return await asyncio.gather(*[one(i, p) for i, p in enumerate(PROMPTS)])
 
     assert asyncio.run(run()) == want
-    # A worker streams a request's last tokens to the hub and reports its end to the router separately,
-    # so a client can see its stream end a moment before the router counts it finished.
-    deadline = time.monotonic() + 20
-    while (stats := ray.get(router.stats.remote(), timeout=30))["counters"]["finished"] < len(PROMPTS):
-        assert time.monotonic() < deadline, stats["counters"]
-        time.sleep(0.1)
+    stats = wait_finished(router, len(PROMPTS))
     assert stats["pools"]["prefill"]["size"] == 0
     assert stats["counters"]["finished"] == len(PROMPTS) and stats["counters"]["admitted"] == len(PROMPTS)
     assert all(d["num_steps"] > 0 for d in stats["decode"].values()), stats  # both workers served
@@ -79,7 +58,7 @@ def test_colocated_streams_match_offline_and_move_no_kv(colocated):
     workers = ray.get(router.workers.remote())
     for w in workers.values():
         assert ray.get(w.kv_stats.remote())["num_received"] == 0
-    _no_leaks(router)
+    wait_no_leaks(router, timeout_s=20)
 
 
 def test_colocated_abort_mid_stream_frees_blocks(colocated):
@@ -97,7 +76,7 @@ def test_colocated_abort_mid_stream_frees_blocks(colocated):
         return n
 
     assert asyncio.run(partial()) >= 4
-    _no_leaks(router, timeout_s=30)
+    wait_no_leaks(router, timeout_s=30)
     assert ray.get(router.stats.remote())["counters"]["aborted"] >= 1
 
 
@@ -125,4 +104,4 @@ def test_colocated_repeats_go_where_their_prefix_is_cached(colocated):
     for i, p in enumerate(prompts):
         assert again[i][1] == first[i][1]
         assert again[i][0] == (len(p) - 1) // 16 * 16, (i, again[i][0])
-    _no_leaks(router)
+    wait_no_leaks(router, timeout_s=20)

@@ -10,11 +10,11 @@ import uuid
 import pytest
 import ray
 
-from deployments.app import get_or_create_router, shutdown_router
 from deployments.config import ServeConfig
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import local_ray, pdserve_router, run_offline, wait_for, wait_no_leaks
 
 PROMPTS = [f"Write a short story number {i} about a {w}." for i, w in
            enumerate(["dragon", "robot", "sailor", "garden", "violin", "comet"])]
@@ -26,27 +26,16 @@ LONG_MAX_TOKENS = 200
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests")
-    cfg = ServeConfig.from_dict(dict(num_prefill_workers=2, num_decode_workers=2, kv_cache_memory_mb=64, max_num_seqs=8,
-                      health_check_timeout_s=5.0))
-    router = get_or_create_router(cfg)
-    ray.get(router.wait_ready.remote(600), timeout=700)
-    hub = StreamHub.remote()
-    yield router, hub
-    shutdown_router()
-    ray.shutdown()
+    cfg = ServeConfig.from_dict(dict(num_prefill_workers=2, num_decode_workers=2, kv_cache_memory_mb=64,
+                                     max_num_seqs=8, health_check_timeout_s=5.0))
+    with local_ray(4, namespace="pdserve-tests"), pdserve_router(cfg) as router:
+        yield router, StreamHub.remote()
 
 
 def _greedy(eng, max_tokens):
-    out = {}
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(f"{max_tokens}-{i}", eng.apply_chat_template([{"role": "user", "content": p}]),
-                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                out[int(o.request_id.rsplit("-", 1)[1])] = o.token_ids
-    return [out[i] for i in range(len(PROMPTS))]
+    ids = [eng.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return [o.token_ids for o in run_offline(eng, ids, params)]
 
 
 @pytest.fixture(scope="module")
@@ -82,24 +71,10 @@ async def _run_all(backend: RouterBackend, prompts_ids, on_progress=None, max_to
     return await asyncio.wait_for(asyncio.gather(*tasks), 300), gaps
 
 
-def _assert_clean(router, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        use = ray.get(router.check_integrity.remote(), timeout=30)
-        if all(u["num_used_blocks"] == 0 and u["num_requests"] == 0 for u in use.values()):
-            return
-        assert time.monotonic() < deadline, f"blocks still held: {use}"
-        time.sleep(0.3)
-
-
 def _wait_pools(router, n_prefill, n_decode, timeout_s=120):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pools = ray.get(router.stats.remote())["pools"]
-        if pools["prefill"]["ready"] == n_prefill and pools["decode"]["ready"] == n_decode:
-            return
-        assert time.monotonic() < deadline, pools
-        time.sleep(0.5)
+    wait_for(lambda: ray.get(router.stats.remote())["pools"],
+             lambda pools: pools["prefill"]["ready"] == n_prefill and pools["decode"]["ready"] == n_decode,
+             timeout_s=timeout_s, interval_s=0.5, what=f"{n_prefill} prefill + {n_decode} decode workers ready")
 
 
 def _scenario(cluster, reference, kill, max_tokens=MAX_TOKENS):
@@ -134,21 +109,15 @@ def test_decode_worker_dies_streams_resume_identically(cluster, reference):
     assert after["worker_deaths"] > before["worker_deaths"]
     router, _ = cluster
     _wait_pools(router, 2, 2)  # a replacement decode worker joined
-    _assert_clean(router)
+    wait_no_leaks(router)
 
 
 @pytest.fixture(scope="module")
 def long_prompts(engine):
     """Six ~250-token prompts (a prefill step of seconds on one CPU thread) and their greedy outputs."""
     ids = [engine.apply_chat_template([{"role": "user", "content": p * 20}]) for p in PROMPTS]
-    ref = {}
-    for i, p in enumerate(ids):
-        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                ref[int(o.request_id[1:])] = o.token_ids
-    return ids, [ref[i] for i in range(len(ids))]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    return ids, [o.token_ids for o in run_offline(engine, ids, params)]
 
 
 def test_prefill_backlog_spills_onto_decode_workers(cluster, long_prompts):
@@ -164,7 +133,7 @@ def test_prefill_backlog_spills_onto_decode_workers(cluster, long_prompts):
     after = ray.get(router.stats.remote())["counters"]
     local = after["local_prefills"] - before["local_prefills"]
     assert 0 < local < len(ids), after
-    _assert_clean(router)
+    wait_no_leaks(router)
 
 
 def test_moved_sequence_recomputes_from_its_prefill_workers_prefix_cache(cluster, engine):
@@ -173,11 +142,8 @@ def test_moved_sequence_recomputes_from_its_prefill_workers_prefix_cache(cluster
     # worker, which pulls the cached prompt from the prefill worker (kv_prefix_fetch), or there.
     router, hub = cluster
     ids = engine.apply_chat_template([{"role": "user", "content": "Tell me about a lighthouse keeper. " * 20}])
-    engine.add_request("lighthouse", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-    want = None
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            want = o.token_ids if o.finished else want
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    want = run_offline(engine, [ids], params)[0].token_ids
     backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
     _wait_pools(router, 2, 2)
     before = ray.get(router.stats.remote())["counters"]
@@ -203,7 +169,7 @@ def test_moved_sequence_recomputes_from_its_prefill_workers_prefix_cache(cluster
     move = ray.get(router.stats.remote())["moves"][-1]
     assert "prefill" in move["to"] or "prefill" in (move["fetch_from"] or ""), move
     _wait_pools(router, 2, 2)
-    _assert_clean(router)
+    wait_no_leaks(router)
 
 
 def _cached_tokens(router, but: str = "") -> int:
@@ -230,7 +196,7 @@ def test_prefill_worker_dies_requests_retried(cluster, long_prompts):
     after = ray.get(router.stats.remote())["counters"]
     assert after["retries"] > before["retries"]
     _wait_pools(router, 2, 2)
-    _assert_clean(router)
+    wait_no_leaks(router)
 
 
 def test_router_dies_streams_continue_and_new_requests_served(cluster, reference):
@@ -255,4 +221,4 @@ def test_router_dies_streams_continue_and_new_requests_served(cluster, reference
         return toks
 
     assert asyncio.run(one()) == want[0]
-    _assert_clean(router)
+    wait_no_leaks(router)

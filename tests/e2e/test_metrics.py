@@ -4,8 +4,6 @@ every pdserve_* series there and moving. Ray exports them with a `ray_` prefix."
 from __future__ import annotations
 
 import asyncio
-import socket
-import time
 import uuid
 from collections import defaultdict
 
@@ -13,12 +11,12 @@ import httpx
 import pytest
 import ray
 
-from deployments.app import get_or_create_router, shutdown_router
-from deployments.frontend.backend import QueueFullError
 from deployments.config import ServeConfig
+from deployments.frontend.backend import QueueFullError
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
+from helpers import free_port, local_ray, pdserve_router, wait_for
 
 NUM_REQUESTS = 8
 MAX_QUEUED = 6  # a burst of NUM_REQUESTS overflows it: some are rejected
@@ -40,12 +38,6 @@ PRESENT = ["pdserve_queue_depth", "pdserve_running_seqs", "pdserve_waiting_seqs"
            "pdserve_kv_cache_usage"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _scrape(port: int) -> dict[str, float]:
     """Sum of every pdserve sample by series name (labels dropped, the `ray_` prefix removed)."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
@@ -57,20 +49,22 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
+def _missing(m: dict[str, float]) -> list[str]:
+    """The series of MOVED that are absent or still 0, and those of PRESENT that are absent."""
+    return [k for k in MOVED if m.get(k, 0) <= 0] + [k for k in PRESENT if k not in m]
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-tests",
-             _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 1000})
-    cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64, max_num_seqs=8,
-                      max_queued_requests=MAX_QUEUED))
-    router = get_or_create_router(cfg)
-    ray.get(router.wait_ready.remote(600), timeout=700)
-    hub = StreamHub.remote()
-    ray.get(hub.num_streams.remote())  # started, so the actor's start-up is not in the first TTFTs
-    yield router, hub, port
-    shutdown_router()
-    ray.shutdown()
+    port = free_port()
+    cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64,
+                                     max_num_seqs=8, max_queued_requests=MAX_QUEUED))
+    with (local_ray(4, namespace="pdserve-tests", _metrics_export_port=port,
+                    _system_config={"metrics_report_interval_ms": 1000}),
+          pdserve_router(cfg) as router):
+        hub = StreamHub.remote()
+        ray.get(hub.num_streams.remote())  # started, so the actor's start-up is not in the first TTFTs
+        yield router, hub, port
 
 
 def test_metrics_exported_and_moving_under_load(cluster):
@@ -105,14 +99,8 @@ def test_metrics_exported_and_moving_under_load(cluster):
 
     assert asyncio.run(asyncio.wait_for(again(), 60)) == 32
 
-    deadline = time.monotonic() + 30
-    while True:
-        m = _scrape(port)
-        missing = [k for k in MOVED if m.get(k, 0) <= 0] + [k for k in PRESENT if k not in m]
-        if not missing and m["pdserve_requests_total"] >= len(served) + 1:
-            break
-        assert time.monotonic() < deadline, f"not exported or not moving: {missing}"
-        time.sleep(1.0)
+    m = wait_for(lambda: _scrape(port), lambda m: not _missing(m) and m["pdserve_requests_total"] >= len(served) + 1,
+                 timeout_s=30, interval_s=1.0, what="every series exported and moving")
     assert m["pdserve_requests_rejected_total"] == counters["rejected"]
     assert m["pdserve_requests_submitted_total"] == len(served) + 1
     assert m["pdserve_generation_tokens_total"] == MAX_TOKENS * (len(served) + 1)

@@ -8,24 +8,19 @@ import asyncio
 import pytest
 import ray
 
-from deployments.frontend.backend import QueueFullError
 from deployments.config import ServeConfig
-from deployments.cluster.router import RouterActor
+from deployments.frontend.backend import QueueFullError
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
+from helpers import local_ray, pdserve_router
 
 
 @pytest.fixture(scope="module")
 def tiny_router(tiny_model_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="pdserve-queue")
-    router = RouterActor.remote(ServeConfig.from_dict(dict(model=tiny_model_dir("llama"), max_queued_requests=2,
-                                            kv_cache_memory_mb=8)))
-    ray.get(router.wait_ready.remote(300), timeout=360)
-    yield router
-    ray.get(router.shutdown.remote(), timeout=60)
-    ray.kill(router)
-    ray.shutdown()
+    cfg = ServeConfig.from_dict(dict(model=tiny_model_dir("llama"), max_queued_requests=2, kv_cache_memory_mb=8))
+    with local_ray(2, namespace="pdserve-queue"), pdserve_router(cfg, timeout_s=300) as router:
+        yield router
 
 
 def test_queue_full_is_refused_at_once_and_leaks_nothing(tiny_router):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import socket
 import time
 
 import httpx
@@ -14,9 +13,9 @@ import ray
 from openai import OpenAI
 from ray import serve
 
-from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app, shutdown_router
-from deployments.frontend.grpc_app import grpc_options
+from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app
 from engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import free_port, local_serve, run_offline, wait_finished, wait_no_leaks
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = [
@@ -28,25 +27,15 @@ QUESTIONS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    port, gport = _free_port(), _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(gport))
-    args = {"num_prefill_workers": 2, "num_decode_workers": 2, "kv_cache_memory_mb": 96, "max_num_seqs": 16}
-    serve.run(build_app(args), name="pdserve", route_prefix="/")
-    serve.run(build_grpc_app(args), name="pdserve-grpc", route_prefix="/pdserve-grpc")
-    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    yield f"http://127.0.0.1:{port}", router, gport
-    serve.shutdown()
-    shutdown_router()
-    ray.shutdown()
+    gport = free_port()
+    with local_serve(4, grpc_port=gport) as port:
+        args = {"num_prefill_workers": 2, "num_decode_workers": 2, "kv_cache_memory_mb": 96, "max_num_seqs": 16}
+        serve.run(build_app(args), name="pdserve", route_prefix="/")
+        serve.run(build_grpc_app(args), name="pdserve-grpc", route_prefix="/pdserve-grpc")
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        yield f"http://127.0.0.1:{port}", router, gport
 
 
 @pytest.fixture(scope="module")
@@ -56,34 +45,11 @@ def offline():
 
 def offline_chat(engine: LLMEngine, question: str, max_tokens: int) -> str:
     ids = engine.apply_chat_template([{"role": "user", "content": question}])
-    rid = f"ref-{time.monotonic_ns()}"
-    engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0))
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                return o.text
-    raise AssertionError("no output")
+    return run_offline(engine, [ids], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
 
 
 def offline_completion_ids(engine: LLMEngine, prompt: str, max_tokens: int) -> list[int]:
-    rid = f"ref-{time.monotonic_ns()}"
-    engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                return o.token_ids
-    raise AssertionError("no output")
-
-
-def assert_no_leaks(router, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        use = ray.get(router.check_integrity.remote(), timeout=30)  # raises if any worker's check fails
-        if all(u["num_used_blocks"] == 0 and u["num_requests"] == 0 for u in use.values()):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"blocks still held: {use}")
-        time.sleep(0.2)
+    return run_offline(engine, [prompt], SamplingParams(max_tokens=max_tokens, temperature=0))[0].token_ids
 
 
 def test_openai_client_chat_and_completions_match_offline(server, offline):
@@ -114,7 +80,7 @@ def test_openai_client_chat_and_completions_match_offline(server, offline):
     assert c.usage.completion_tokens == len(want_ids)
     s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True)
     assert "".join(ch.choices[0].text for ch in s if ch.choices) == want_text
-    assert_no_leaks(router)
+    wait_no_leaks(router, timeout_s=20)
 
 
 def test_16_concurrent_streams_join_running_batches(server, offline):
@@ -133,14 +99,10 @@ def test_16_concurrent_streams_join_running_batches(server, offline):
     with cf.ThreadPoolExecutor(16) as pool:
         got = list(pool.map(one, QUESTIONS))
     assert got == wants
-    # Streams end at the client a moment before the router hears of it (the worker reports separately).
-    deadline = time.monotonic() + 20
-    while (stats := ray.get(router.stats.remote(), timeout=30))["counters"]["finished"] < 16:
-        assert time.monotonic() < deadline, stats["counters"]
-        time.sleep(0.1)
+    stats = wait_finished(router, 16)
     assert all(d["num_steps"] > 0 for d in stats["decode"].values()), stats  # both decode workers served
     assert max(d["max_batch_seen"] for d in stats["decode"].values()) > 1, stats
-    assert_no_leaks(router)
+    wait_no_leaks(router, timeout_s=20)
 
 
 def test_repeated_prompts_go_where_their_prefix_is_cached(server):
@@ -170,7 +132,7 @@ def test_repeated_prompts_go_where_their_prefix_is_cached(server):
         assert again[i].usage.prompt_tokens_details.cached_tokens == (len(p) - 1) // 16 * 16, (i, again[i].usage)
     after = ray.get(router.stats.remote())["counters"]
     assert after["prefix_routed"] - before["prefix_routed"] >= 4
-    assert_no_leaks(router)
+    wait_no_leaks(router, timeout_s=20)
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -205,7 +167,7 @@ def test_disconnect_mid_stream_frees_blocks_everywhere(server):
                 n += 1
             if n >= 5:
                 break
-    assert_no_leaks(router, timeout_s=30)
+    wait_no_leaks(router, timeout_s=30)
     stats = ray.get(router.stats.remote())
     assert stats["counters"]["aborted"] >= 1
 
@@ -225,4 +187,4 @@ def test_grpc_generate_streams_same_tokens(server, offline):
         chunks = list(stub.Generate(req, metadata=(("application", "pdserve-grpc"),), timeout=120))
     assert "".join(c.text for c in chunks) == want
     assert len(chunks) > 1 and chunks[-1].finish_reason
-    assert_no_leaks(router)
+    wait_no_leaks(router, timeout_s=20)

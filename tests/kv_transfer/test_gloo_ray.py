@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import local_ray
 from kv_transfer import EpochMismatchError, LeaseExpiredError, PeerDiedError
 
 # Ray workers cannot import this test module: ship its classes by value.
@@ -116,9 +117,8 @@ def _settles(get, want, timeout_s=10.0):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray(4):
+        yield
 
 
 @pytest.fixture(scope="module")

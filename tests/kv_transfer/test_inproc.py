@@ -6,11 +6,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kv_transfer import (EpochMismatchError, InProcHub, InProcTransport, KVLayout, KVReceiver, KVSender,
                          LeaseExpiredError, LeaseTable, PeerDiedError, ReceiverOutOfBlocksError,
                          TransferTimeoutError)
+from kv_transfer.gloo import GlooTransport
+from kv_transfer.protocol import recv_kv, send_kv
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [[1 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate([3, 4, 5, 9, 16, 17, 30])]
@@ -186,11 +189,6 @@ def test_peer_dies_mid_transfer(model_dir):
 def test_blocks_arrive_intact_with_or_without_copies(src_ids, dst_ids, backend, dtype):
     """Each side alone chooses zero copy (its ids are one run) or pack/stage; the bytes agree either way,
     also over real gloo sockets (two channels in this one process), where every chunk has its own tag."""
-    import torch
-
-    from kv_transfer.gloo import GlooTransport
-    from kv_transfer.protocol import recv_kv, send_kv
-
     torch.manual_seed(0)
     src = torch.randn(16, 3, 2, 4, 2, 5).to(getattr(torch, dtype))  # [blocks, layers, K/V, block size, kv heads, head dim]
     dst = torch.zeros(14, 3, 2, 4, 2, 5, dtype=src.dtype)

@@ -2,13 +2,12 @@
 
 import pickle
 
+import pytest
 import torch
 
-from kv_transfer import KVHandle, KVLayout, pack_blocks, unpack_blocks
+from kv_transfer import KVHandle, KVLayout, ProtocolError, pack_blocks, unpack_blocks
 from kv_transfer.packing import block_chunks
 from kv_transfer.protocol import HEADER_LEN, Status, decode_header, encode_header, request_hash
-
-import pytest
 
 
 def _cache(num_blocks, layers=3, block_size=4, heads=2, dim=5):
@@ -74,6 +73,5 @@ def test_header_roundtrip_and_corruption():
     assert (hdr.status, hdr.request_hash, hdr.epoch, hdr.num_blocks, hdr.num_tokens, hdr.num_messages) == (
         Status.OK, request_hash("req-1"), 7, 2, 6, 2)
     t[4] += 1
-    from kv_transfer import ProtocolError
     with pytest.raises(ProtocolError):
         decode_header(t)

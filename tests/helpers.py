@@ -1,0 +1,173 @@
+"""Helpers that more than one test module needs: free ports, an ASGI app served in a thread, polling
+with a deadline, a local Ray (with Serve, with pdserve's router), and offline reference runs.
+
+Import it as `helpers` (`from helpers import free_port`): tests/conftest.py puts tests/ on sys.path
+(pytest's default `prepend` import mode does that for every conftest's folder). Ray and Serve load
+only inside the helpers that start them, so tests without Ray do not pay for importing them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import uvicorn
+
+from engine import LLMEngine, RequestOutput, SamplingParams
+
+T = TypeVar("T")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now (another process could still take it first)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for(get: Callable[[], T], until: Callable[[T], Any] = bool, *, timeout_s: float, interval_s: float = 0.1,
+             what: str = "condition") -> T:
+    """Call `get` every `interval_s` until `until(value)` holds, and return that value; an
+    AssertionError naming `what` and the last value once `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = get()
+        if until(value):
+            return value
+        assert time.monotonic() < deadline, f"{what}: not reached in {timeout_s:g}s; last: {value!r}"
+        time.sleep(interval_s)
+
+
+class ThreadedServer:
+    """uvicorn serving an ASGI `app` on a free port of 127.0.0.1 in a daemon thread, until `stop()`
+    (or the end of a with-block). The socket is bound before the server starts: no race for the port."""
+
+    def __init__(self, app: Any, start_timeout_s: float = 10.0):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port: int = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, kwargs=dict(sockets=[sock]), daemon=True)
+        self._thread.start()
+        wait_for(lambda: self._server.started, timeout_s=start_timeout_s, interval_s=0.02, what="uvicorn started")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> ThreadedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------------------------------------- Ray
+@contextlib.contextmanager
+def local_ray(num_cpus: int, env: dict[str, str] | None = None, **init_kwargs: Any) -> Iterator[None]:
+    """A fresh local Ray (no dashboard, workers' logs not echoed here) for the with-block. `env` is
+    set in this process before `ray.init` (Ray's processes read it when they start); the whole
+    environment is restored after `ray.shutdown`."""
+    import ray
+
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        ray.init(num_cpus=num_cpus, **{"include_dashboard": False, "log_to_driver": False, **init_kwargs})
+        try:
+            yield
+        finally:
+            ray.shutdown()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def local_serve(num_cpus: int, *, http_port: int | None = None, grpc_port: int | None = None,
+                env: dict[str, str] | None = None, **init_kwargs: Any) -> Iterator[int]:
+    """`local_ray` with Ray Serve started: HTTP on `http_port` (default: a free port), gRPC on
+    `grpc_port` when given. Yields the HTTP port. On exit Serve shuts down, then the router that
+    pdserve's app started (with its workers), then Ray."""
+    from ray import serve
+
+    from deployments.app import shutdown_router
+    from deployments.frontend.grpc_app import grpc_options
+
+    http_port = http_port or free_port()
+    options: dict[str, Any] = {"http_options": {"host": "127.0.0.1", "port": http_port}}
+    if grpc_port is not None:
+        options["grpc_options"] = grpc_options(grpc_port)
+    with local_ray(num_cpus, env=env, **init_kwargs):
+        try:
+            serve.start(**options)
+            yield http_port
+        finally:
+            try:
+                serve.shutdown()
+            finally:
+                shutdown_router()
+
+
+@contextlib.contextmanager
+def pdserve_router(config: Any, timeout_s: float = 600.0) -> Iterator[Any]:
+    """pdserve's router (the cluster's named one) for `config`, once its first workers are ready;
+    shut down with its workers at the end of the with-block."""
+    import ray
+
+    from deployments.app import get_or_create_router, shutdown_router
+
+    try:
+        router = get_or_create_router(config)
+        ray.get(router.wait_ready.remote(timeout_s), timeout=timeout_s + 100)
+        yield router
+    finally:
+        shutdown_router()
+
+
+def _holds_nothing(use: dict[str, dict]) -> bool:
+    return all(u["num_used_blocks"] == 0 and u["num_requests"] == 0 for u in use.values())
+
+
+def wait_no_leaks(router: Any, timeout_s: float = 30.0) -> dict[str, dict]:
+    """Until no worker of `router` holds a KV block or a request; returns their last reports. Every
+    poll also runs each worker engine's integrity check, which raises on a broken block pool."""
+    import ray
+
+    return wait_for(lambda: ray.get(router.check_integrity.remote(), timeout=30), _holds_nothing,
+                    timeout_s=timeout_s, interval_s=0.2, what="every block freed")
+
+
+def wait_finished(router: Any, num_requests: int, timeout_s: float = 20.0) -> dict:
+    """The router's stats once it counts `num_requests` finished. A worker streams a request's last
+    tokens to the hub and reports its end to the router separately, so a client can see its stream
+    end a moment before the router counts it."""
+    import ray
+
+    return wait_for(lambda: ray.get(router.stats.remote(), timeout=30),
+                    lambda stats: stats["counters"]["finished"] >= num_requests,
+                    timeout_s=timeout_s, what=f"{num_requests} requests finished")
+
+
+# ---------------------------------------------------------------------------------------------- references
+_offline_ids = itertools.count()
+
+
+def run_offline(engine: LLMEngine, prompts: Sequence[list[int] | str], params: SamplingParams) -> list[RequestOutput]:
+    """The engine alone: every prompt added at once, stepped until none is left; the final outputs,
+    in prompt order. The reference that served outputs are compared with (greedy)."""
+    ids = [f"offline-{next(_offline_ids)}" for _ in prompts]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[rid] for rid in ids]
