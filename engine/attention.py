@@ -14,17 +14,33 @@ the KV that is needed. The workspace and the buckets remove both.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import cpu_kernels
+from engine.step_inputs import StepInputs
 
 # Decode sequences are sorted by context length and cut into buckets of at least this many, at most
 # DECODE_BUCKETS buckets: padding waste goes down, SDPA calls stay few.
 MIN_BUCKET_SEQS = 16
 DECODE_BUCKETS = 4
+
+# NOTE: on a Hopper GPU, SDPA prefers cuDNN's attention for 16-bit inputs, and cuDNN builds a graph
+# for each new shape (hundreds of ms). Here shapes change from step to step (decode buckets, prefill
+# chunks): on the first H200 run a bf16 engine took 2.6x as long per step as an fp32 one (which
+# cuDNN does not serve), with cuDNN attention on top of its profile. These kernels need no build.
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA kernels a forward pass on `device` may use (entered around the whole pass: the
+    setting is process-wide, and entering it per call costs host time)."""
+    return sdpa_kernel(_CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @dataclass(slots=True)
@@ -79,8 +95,16 @@ def paged_decode_meta(rows: list[int], tables: list[list[int]], lens: list[int],
                        torch.tensor(lens, dtype=torch.int32))
 
 
-def decode_buckets(rows: list[int], tables: list[list[int]], lens: list[int], block_size: int,
-                   device: torch.device) -> list[DecodeBucket]:
+class BucketPlan(NamedTuple):
+    """One decode bucket as host lists, before its arrays go to the device (`StepInputs`)."""
+
+    rows: list[int]  # packed-row index of each decode token
+    blocks: list[int]  # row-major block ids, padded with block 0
+    num_blocks: int  # blocks per sequence after padding
+    lens: list[int] | None  # context lengths, for the mask; None: every row fills its blocks (no mask)
+
+
+def plan_decode_buckets(rows: list[int], tables: list[list[int]], lens: list[int], block_size: int) -> list[BucketPlan]:
     """Group decode rows (context `lens[i]` tokens in blocks `tables[i]`) into length buckets."""
     order = sorted(range(len(rows)), key=lambda i: lens[i])
     per = max(MIN_BUCKET_SEQS, -(-len(order) // DECODE_BUCKETS))
@@ -93,13 +117,36 @@ def decode_buckets(rows: list[int], tables: list[list[int]], lens: list[int], bl
             t = tables[i][:-(-lens[i] // block_size)]
             flat.extend(t)
             flat.extend([0] * (nb - len(t)))
-        blens = torch.tensor([lens[i] for i in idx])
-        mask = None
-        if int(blens.min()) < nb * block_size:
-            mask = (torch.arange(nb * block_size).unsqueeze(0) < blens.unsqueeze(1))[:, None, None, :].to(device)
-        out.append(DecodeBucket(torch.tensor([rows[i] for i in idx], dtype=torch.long, device=device),
-                                torch.tensor(flat, dtype=torch.long, device=device), nb, mask))
+        blens = [lens[i] for i in idx]
+        masked = min(blens) < nb * block_size
+        out.append(BucketPlan([rows[i] for i in idx], flat, nb, blens if masked else None))
     return out
+
+
+def decode_bucket(plan: BucketPlan, rows: torch.Tensor, blocks: torch.Tensor, lens: torch.Tensor | None,
+                  block_size: int) -> DecodeBucket:
+    """`plan` with its arrays on the device (`lens` given iff `plan.lens` is); the mask is built there."""
+    mask = None
+    if lens is not None:
+        mask = (torch.arange(plan.num_blocks * block_size, device=lens.device).unsqueeze(0)
+                < lens.unsqueeze(1))[:, None, None, :]
+    return DecodeBucket(rows, blocks, plan.num_blocks, mask)
+
+
+def decode_buckets(rows: list[int], tables: list[list[int]], lens: list[int], block_size: int,
+                   device: torch.device) -> list[DecodeBucket]:
+    """`plan_decode_buckets`, then each bucket's arrays on `device` (the model runner batches these
+    uploads with the rest of its step's inputs instead)."""
+    plans = plan_decode_buckets(rows, tables, lens, block_size)
+    inputs = StepInputs()
+    keys = [(inputs.add(p.rows), inputs.add(p.blocks), None if p.lens is None else inputs.add(p.lens)) for p in plans]
+    t = inputs.upload(torch.device(device))
+    return [decode_bucket(p, t[r], t[b], None if n is None else t[n], block_size) for p, (r, b, n) in zip(plans, keys)]
+
+
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    # fp8 caches are moved as bytes: not every device's index kernels take fp8 (the values are the same).
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 class KVWorkspace:
@@ -111,7 +158,7 @@ class KVWorkspace:
     def gather(self, cache: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
         """`cache[block_ids]` ([n, *block shape]) written into workspace buffer `which`; valid until the
         next gather into the same buffer."""
-        flat = cache.view(cache.shape[0], -1)
+        flat = _bytes_if_fp8(cache.view(cache.shape[0], -1))
         n, width = block_ids.numel(), flat.shape[1]
         buf = self._bufs[which]
         if buf is None or buf.numel() < n * width or buf.dtype != flat.dtype or buf.device != flat.device:
@@ -119,7 +166,7 @@ class KVWorkspace:
             self._bufs[which] = buf
         out = buf[:n * width].view(n, width)
         torch.index_select(flat, 0, block_ids, out=out)
-        return out.view(n, *cache.shape[1:])
+        return out.view(cache.dtype).view(n, *cache.shape[1:])
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -127,8 +174,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """k_cache: [num_blocks, block_size, kv_heads, head_dim] (one layer's view of the cache: blocks
     are strided by the whole block, all layers); k: [T, kv_heads, head_dim], rounded to the cache's
     element type when that is narrower."""
-    k_cache.index_put_((meta.slot_blocks, meta.slot_offsets), k.to(k_cache.dtype))
-    v_cache.index_put_((meta.slot_blocks, meta.slot_offsets), v.to(v_cache.dtype))
+    idx = (meta.slot_blocks, meta.slot_offsets)
+    _bytes_if_fp8(k_cache).index_put_(idx, _bytes_if_fp8(k.to(k_cache.dtype)))
+    _bytes_if_fp8(v_cache).index_put_(idx, _bytes_if_fp8(v.to(v_cache.dtype)))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

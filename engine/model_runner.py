@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import math
 import mmap
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention import (AttentionMetadata, KVWorkspace, PrefillSeq, decode_buckets, paged_attention,
-                              paged_decode_meta, write_kv)
+from engine.attention import (AttentionMetadata, KVWorkspace, PrefillSeq, attention_backends, decode_bucket,
+                              paged_attention, paged_decode_meta, plan_decode_buckets, write_kv)
 from engine import cpu_kernels
 from engine.scheduler import SchedulerOutput
+from engine.step_inputs import StepInputs
 
 
 def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -67,6 +69,19 @@ class Linear:
 # transformers' RMSNorm classes that compute exactly `w * (x * rsqrt(mean(x^2) + eps))` (what
 # `cpu_kernels.add_rmsnorm` computes); any other norm keeps its own module.
 _PLAIN_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+class _HostStep(NamedTuple):
+    """One step's inputs as host lists, before they go to the device."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_blocks: list[int]  # the block each new token's K/V goes to
+    sample_rows: list[int]  # packed rows whose logits are sampled
+    decode_rows: list[int]
+    decode_tables: list[list[int]]
+    decode_lens: list[int]  # context length of each decode row, its new token included
+    prefills: list[tuple[int, int, int, list[int]]]  # (start row, end row, tokens cached before, block table)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -184,23 +199,18 @@ class ModelRunner:
         return config.num_hidden_layers * 2 * block_size * kv_heads * head_dim * elem
 
     # ------------------------------------------------------------------ inputs
-    def _prepare(self, sched: SchedulerOutput):
+    def _host_inputs(self, sched: SchedulerOutput) -> _HostStep:
+        """The step's inputs as Python lists (no tensors yet)."""
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
-        sample_rows: list[int] = []
+        # NOTE: plain local lists in the loop (a NamedTuple's fields cost an attribute lookup each).
+        input_ids, positions, slot_blocks, sample_rows = [], [], [], []
+        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
         for chunk in sched.chunks:
             req = chunk.request
             start = req.num_computed_tokens
             end = start + chunk.num_new_tokens
             row0 = len(input_ids)
-            tokens = req.all_token_ids
-            input_ids.extend(tokens[start:end])
+            input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             table = req.block_table
             slot_blocks.extend(table[p // bs] for p in range(start, end))
@@ -209,26 +219,41 @@ class ModelRunner:
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
-                prefills.append(PrefillSeq(row0, row0 + chunk.num_new_tokens, start,
-                                           torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=self.device)))
+                prefills.append((row0, row0 + chunk.num_new_tokens, start, table[: -(-end // bs)]))
             if chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        paged = buckets = None
-        if decode_rows and self.paged_decode:
-            paged = paged_decode_meta(decode_rows, decode_tables, decode_lens, bs)
-        elif decode_rows:
-            buckets = decode_buckets(decode_rows, decode_tables, decode_lens, bs, dev)
+        return _HostStep(input_ids, positions, slot_blocks, sample_rows, decode_rows, decode_tables, decode_lens,
+                         prefills)
+
+    def _prepare(self, sched: SchedulerOutput):
+        """The step's device inputs: token ids, positions, attention metadata, rows to sample.
+
+        NOTE: every integer array goes to the device in one non-blocking copy (`StepInputs`): no
+        per-step host-device synchronization before the forward pass."""
+        hs = self._host_inputs(sched)
+        bs, dev = self.block_size, self.device
+        inputs = StepInputs()
+        k_ids, k_pos, k_slots, k_sample = (inputs.add(a) for a in (hs.input_ids, hs.positions, hs.slot_blocks,
+                                                                   hs.sample_rows))
+        k_tables = [inputs.add(table) for *_, table in hs.prefills]
+        paged, plans = None, []
+        if hs.decode_rows and self.paged_decode:  # the CPU kernel's own int32 metadata
+            paged = paged_decode_meta(hs.decode_rows, hs.decode_tables, hs.decode_lens, bs)
+        elif hs.decode_rows:
+            plans = plan_decode_buckets(hs.decode_rows, hs.decode_tables, hs.decode_lens, bs)
+        k_buckets = [(inputs.add(p.rows), inputs.add(p.blocks), None if p.lens is None else inputs.add(p.lens))
+                     for p in plans]
+        t = inputs.upload(dev)
+        pos = t[k_pos]
         meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long, device=dev),
+            slot_blocks=t[k_slots],
             slot_offsets=pos % bs,
-            decode=buckets or [],
-            prefills=prefills,
+            decode=[decode_bucket(p, t[r], t[b], None if n is None else t[n], bs)
+                    for p, (r, b, n) in zip(plans, k_buckets)],
+            prefills=[PrefillSeq(r0, r1, start, t[k]) for (r0, r1, start, _), k in zip(hs.prefills, k_tables)],
             paged=paged,
         )
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        return ids, pos, meta, torch.tensor(sample_rows, dtype=torch.long, device=dev)
+        return t[k_ids], pos, meta, t[k_sample]
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
@@ -237,6 +262,10 @@ class ModelRunner:
 
         NOTE: reads the scheduled requests and the KV cache only; it must never call the block manager
         (a worker runs block-manager calls from other threads while this runs: `LLMEngine.step`)."""
+        with attention_backends(self.device):
+            return self._forward(sched)
+
+    def _forward(self, sched: SchedulerOutput) -> torch.Tensor:
         ids, pos, meta, sample_rows = self._prepare(sched)
         num_tokens = ids.shape[0]
         h = self.embed_tokens(ids)

@@ -1,19 +1,28 @@
-"""GPU transport: a 2-rank `cupy.cuda.nccl.NcclCommunicator` per peer.
+"""GPU transport: a 2-rank `cupy.cuda.nccl.NcclCommunicator` per peer, on a CUDA stream of its own.
 
-UNVERIFIED: written without a GPU; its tests (tests/kv_transfer/test_nccl.py) are marked `gpu` and
-have not run yet. cupy is imported lazily so CPU-only installs never need it.
-
-Same rendezvous shape as gloo (kv_transfer.gloo), so the Ray glue is one code path:
+cupy is imported lazily so CPU-only installs never need it. Same rendezvous shape as gloo
+(kv_transfer.gloo), so the Ray glue is one code path:
 
     exporter (rank 0)                           importer (rank 1)
     listen(peer) -> NcclAddress(unique id) -->  connect(peer, address)
       NcclCommunicator(2, id, 0)                  NcclCommunicator(2, id, 1)
       (in a thread: it blocks until the peer joins)     (waits at most timeout_s)
 
-NCCL has no timeouts of its own: `wait` polls a CUDA event until the deadline, then aborts the
-communicator (which fails every operation still queued on it), and the protocol treats the channel as
-broken. Sends and receives run on torch's current stream of the tensor's device, so they are ordered
-after the packing kernels that fill the buffer and before the unpacking kernels that read it.
+Streams: each channel sends and receives on its own stream, never on the engine's compute stream,
+so a posted receive (which sits on its stream until the peer sends) does not hold back decoding, and
+a dead peer blocks only the channel. Ordering against the compute stream is by events:
+
+    compute stream  ..pack / KV written..[ready]......................[wait done]..unpack / read..
+    channel stream                          [wait ready] send/recv [done]
+
+the channel's stream waits on `ready` (recorded on the caller's current stream when the operation is
+posted) before it reads or overwrites a GPU tensor, and the caller's stream waits on `done` once
+`wait` has seen the operation finish. Small host tensors (headers, acks) travel through pinned
+memory with non-blocking copies on the channel's stream: no synchronizing copy in either direction.
+
+NCCL has no timeouts of its own: `wait` polls the `done` event until the deadline, then aborts the
+communicator (which fails every operation still queued on it), and the protocol treats the channel
+as broken. NCCL cannot pair two ranks on one device: a pair needs two GPUs.
 """
 
 from __future__ import annotations
@@ -38,41 +47,53 @@ def _nccl():
 class NcclAddress:
     """What rank 0 hands rank 1 (through a Ray call) to form their communicator."""
 
-    unique_id: tuple
+    unique_id: bytes | tuple  # as `get_unique_id` returns it: bytes in cupy 14 (which refuses a tuple)
 
 
 class _NcclPending:
-    def __init__(self, channel: NcclChannel, event: torch.cuda.Event):
-        self.channel, self.event = channel, event
+    """One posted operation; `wait` polls its `done` event, then orders the caller's stream after it."""
+
+    def __init__(self, channel: NcclChannel, done: torch.cuda.Event, host_out: torch.Tensor | None = None,
+                 pinned: torch.Tensor | None = None):
+        self.channel, self.done = channel, done
+        self.host_out, self.pinned = host_out, pinned  # a received host tensor: copied out of `pinned`
 
     def wait(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
-        while not self.event.query():
+        while not self.done.query():
             if self.channel.broken:
                 raise PeerDiedError(f"nccl channel to {self.channel.peer!r} was closed")
             if time.monotonic() > end:
                 self.channel.close()
                 raise TransferTimeoutError(f"nccl transfer with {self.channel.peer!r} took over {timeout_s:.1f}s")
             time.sleep(0.0002)
+        torch.cuda.current_stream(self.channel.device).wait_event(self.done)
+        if self.host_out is not None and self.pinned is not self.host_out:
+            self.host_out.copy_(self.pinned)
 
 
 class NcclChannel(Channel):
+    """Rank `rank` of a `world_size`-rank communicator (2: a prefill/decode pair; 1: the rank talks to
+    itself, which only tests do, posting each send and its receive inside one NCCL group)."""
+
     serial = True  # one stream: a posted receive blocks the sends queued after it
 
-    def __init__(self, peer: str, rank: int, device: torch.device, timeout_s: float):
+    def __init__(self, peer: str, rank: int, device: torch.device, timeout_s: float, world_size: int = 2):
         super().__init__(peer)
-        self.rank, self.device, self.timeout_s = rank, device, timeout_s
+        self.rank, self.device, self.timeout_s, self.world_size = rank, device, timeout_s, world_size
+        self.peer_rank = (rank + 1) % world_size
+        self.stream = torch.cuda.Stream(device)
         self.comm = None
         self._ready = threading.Event()
         self._error: Exception | None = None
 
-    def _init(self, unique_id: tuple) -> None:
+    def _init(self, unique_id: bytes | tuple) -> None:
         """Form the communicator; blocks until the other rank does the same."""
         try:
             import cupy
 
             with torch.cuda.device(self.device), cupy.cuda.Device(self.device.index or 0):
-                comm = _nccl().NcclCommunicator(2, unique_id, self.rank)
+                comm = _nccl().NcclCommunicator(self.world_size, unique_id, self.rank)
             if self.broken:  # closed while we waited for the peer
                 comm.abort()
             else:
@@ -91,21 +112,46 @@ class NcclChannel(Channel):
             raise PeerDiedError(f"nccl channel to {self.peer!r}: {self._error or 'closed'!r}")
         return self.comm
 
+    def _stage(self, tensor: torch.Tensor, send: bool,
+               caller: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The GPU tensor NCCL moves for `tensor`, and the pinned host buffer of a host tensor. Runs
+        with the channel's stream current: its copies and allocations belong to that stream."""
+        if tensor.is_cuda:
+            assert tensor.is_contiguous(), "nccl moves contiguous tensors only"
+            # NOTE: the caller's (compute) stream last wrote this memory (packed blocks, the KV of a
+            # prefill) or still reads it (blocks a receive overwrites): wait for the work queued there
+            # so far, and only that; and keep the allocator from reusing the memory before this
+            # stream is done with it.
+            ready = torch.cuda.Event()
+            ready.record(caller)
+            self.stream.wait_event(ready)
+            tensor.record_stream(self.stream)
+            return tensor, None
+        pinned = tensor if tensor.is_pinned() else torch.empty_like(tensor, pin_memory=True)
+        if not send:
+            return torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device), pinned
+        if pinned is not tensor:
+            pinned.copy_(tensor)
+        return pinned.to(self.device, non_blocking=True), pinned
+
     def _op(self, tensor: torch.Tensor, send: bool) -> Pending:
-        assert tensor.is_cuda and tensor.is_contiguous(), "nccl moves contiguous GPU tensors only"
         comm = self._communicator()
         nccl = _nccl()
-        stream = torch.cuda.current_stream(tensor.device)
-        try:
-            fn = comm.send if send else comm.recv
-            fn(tensor.data_ptr(), tensor.numel() * tensor.element_size(), nccl.NCCL_UINT8, 1 - self.rank,
-               stream.cuda_stream)
-        except Exception as e:
-            self.close()
-            raise PeerDiedError(f"nccl {'send to' if send else 'recv from'} {self.peer!r}: {e}") from e
-        event = torch.cuda.Event()
-        event.record(stream)
-        return _NcclPending(self, event)
+        caller = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            buf, pinned = self._stage(tensor, send, caller)
+            try:
+                fn = comm.send if send else comm.recv
+                fn(buf.data_ptr(), buf.numel() * buf.element_size(), nccl.NCCL_UINT8, self.peer_rank,
+                   self.stream.cuda_stream)
+            except Exception as e:
+                self.close()
+                raise PeerDiedError(f"nccl {'send to' if send else 'recv from'} {self.peer!r}: {e}") from e
+            if pinned is not None and not send:  # a host tensor's receive lands in pinned memory first
+                pinned.copy_(buf, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return _NcclPending(self, done, tensor if pinned is not None and not send else None, pinned)
 
     def isend(self, tensor: torch.Tensor, tag: int = 0) -> Pending:
         return self._op(tensor, True)  # one stream: NCCL matches in order, no tags
@@ -137,7 +183,7 @@ class NcclTransport(Transport):
     def listen(self, peer: str) -> NcclAddress:
         """Host a new channel to `peer`; returns the address it must `connect` to. The communicator
         forms in the background once the peer joins. Replaces any existing channel to `peer`."""
-        address = NcclAddress(tuple(_nccl().get_unique_id()))
+        address = NcclAddress(_nccl().get_unique_id())
         ch = NcclChannel(peer, 0, self.device, self.timeout_s)
         threading.Thread(target=ch._init, args=(address.unique_id,), daemon=True, name=f"nccl-listen-{peer}").start()
         self._add(ch)

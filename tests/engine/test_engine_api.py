@@ -1,16 +1,22 @@
-"""Engine behaviour on the tiny model: bad input, abort, sampling, batching policies, the offline API."""
+"""Engine behaviour on the tiny model: bad input, abort, sampling, batching policies, the offline API.
+
+The tests on the shared `llm` (and the batching policies' greedy outputs) run on every device in
+`device_params.DEVICES`; the scheduling-only ones on the CPU.
+"""
 
 from __future__ import annotations
 
 import pytest
 
+from device_params import DEVICES, EXACT_DTYPE
 from engine import LLM, EngineConfig, InvalidRequestError, LLMEngine, PromptTooLongError, SamplingParams
 from engine.errors import EngineConfigError
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir):
-    return LLM(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_model_len=200)
+@pytest.fixture(scope="module", params=DEVICES)
+def llm(tiny_model_dir, request):
+    return LLM(model=tiny_model_dir("llama"), device=request.param, dtype=EXACT_DTYPE, num_kv_blocks=64, block_size=4,
+               max_model_len=200)
 
 
 @pytest.fixture(autouse=True)
@@ -108,7 +114,8 @@ def test_pinned_blocks_copied_into_another_engines_prefix_cache(llm, tiny_model_
         out += [o for o in eng.step() if o.finished]
     assert eng.block_manager.num_used_blocks == 5  # "a" ended, its pinned blocks did not
 
-    other = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_model_len=200))
+    other = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), device=eng.config.device, dtype=EXACT_DTYPE,
+                                   num_kv_blocks=64, block_size=4, max_model_len=200))
     ids = other.allocate_blocks(3 * 4)  # blocks 2..4: the other engine has 0..1 from a shared prefix
     other.runner.kv_cache[ids] = eng.runner.kv_cache[pinned[2:]]
     eng.free_blocks(pinned)
@@ -244,14 +251,16 @@ def test_text_and_token_prompts_agree(llm):
     assert a.token_ids == b.token_ids
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("policy", ["static", "dynamic", "continuous"])
-def test_batching_policies_same_greedy_output(tiny_model_dir, policy):
-    eng_llm = LLM(model=tiny_model_dir("llama"), num_kv_blocks=128, block_size=4, batching=policy,
-                  max_num_seqs=3, max_wait_s=0.0)
+def test_batching_policies_same_greedy_output(tiny_model_dir, policy, device):
+    eng_llm = LLM(model=tiny_model_dir("llama"), device=device, dtype=EXACT_DTYPE, num_kv_blocks=128, block_size=4,
+                  batching=policy, max_num_seqs=3, max_wait_s=0.0)
     prompts = [[i + 3] * (i + 2) for i in range(7)]
     sp = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(7)]
     outs = eng_llm.generate(prompts, sp)
-    ref = LLM(model=tiny_model_dir("llama"), num_kv_blocks=128, block_size=4, max_num_seqs=1).generate(prompts, sp)
+    ref = LLM(model=tiny_model_dir("llama"), device=device, dtype=EXACT_DTYPE, num_kv_blocks=128, block_size=4,
+              max_num_seqs=1).generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     eng_llm.engine.check_integrity()
 

@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from engine import EngineConfig, LLMEngine
 from engine.errors import EngineConfigError
+from device_params import DEVICES, EXACT_DTYPE
 from test_correctness import check_against_hf, make_prompts, run_staggered
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e5m2": torch.float8_e5m2}
@@ -39,43 +40,48 @@ def hf_reads_rounded_kv(hf_model, kv_dtype: torch.dtype):
         hf_model.set_attn_implementation(before)
 
 
+def _engine(path: str, device: str, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=path, device=device, dtype=EXACT_DTYPE, **kwargs))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_cache_dtype", list(TORCH_DTYPES))
-def test_narrow_kv_cache_matches_hf_reading_rounded_kv(tiny_model_dir, kv_cache_dtype):
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=128, block_size=4,
-                                    kv_cache_dtype=kv_cache_dtype))
+def test_narrow_kv_cache_matches_hf_reading_rounded_kv(tiny_model_dir, kv_cache_dtype, device):
+    engine = _engine(tiny_model_dir("llama"), device, num_kv_blocks=128, block_size=4, kv_cache_dtype=kv_cache_dtype)
     assert engine.runner.kv_cache.dtype == TORCH_DTYPES[kv_cache_dtype]
     with hf_reads_rounded_kv(engine.hf_model, TORCH_DTYPES[kv_cache_dtype]):
         check_against_hf(engine, make_prompts(10, engine.vocab_size, seed=11))
     assert engine.check_integrity() is None
 
 
-def test_fp8_cache_changes_outputs(tiny_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_cache_changes_outputs(tiny_model_dir, device):
     """The rounding is real: an fp8 cache changes some greedy outputs of the same engine in fp32."""
     outs = {}
     for kv in ("auto", "fp8_e5m2"):
-        engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=128, block_size=4,
-                                        kv_cache_dtype=kv))
+        engine = _engine(tiny_model_dir("llama"), device, num_kv_blocks=128, block_size=4, kv_cache_dtype=kv)
         outs[kv] = run_staggered(engine, make_prompts(10, engine.vocab_size, seed=11), 24)
     assert outs["auto"] != outs["fp8_e5m2"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8_e5m2"])
-def test_narrow_kv_cache_torch_path_chunked_and_preempted_matches_hf(tiny_model_dir, kv_cache_dtype):
+def test_narrow_kv_cache_torch_path_chunked_and_preempted_matches_hf(tiny_model_dir, kv_cache_dtype, device):
     """Without the CPU kernels (the gather + SDPA path, as on a GPU), with prompts split into chunks
     and sequences preempted and recomputed: each token's K/V is rounded once, whatever the chunking."""
-    engine = LLMEngine(EngineConfig(model=tiny_model_dir("qwen2"), num_kv_blocks=48, block_size=4,
-                                    max_num_batched_tokens=16, kv_cache_dtype=kv_cache_dtype))
+    engine = _engine(tiny_model_dir("qwen2"), device, num_kv_blocks=48, block_size=4, max_num_batched_tokens=16,
+                     kv_cache_dtype=kv_cache_dtype)
     engine.runner.paged_decode = engine.runner.fused_ops = False
     with hf_reads_rounded_kv(engine.hf_model, TORCH_DTYPES[kv_cache_dtype]):
         check_against_hf(engine, make_prompts(10, engine.vocab_size, seed=12), arrive_every=1)
     assert engine.scheduler.num_preemptions > 0
 
 
-def test_kv_cache_memory_budget_counts_the_element_size(tiny_model_dir):
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_cache_memory_budget_counts_the_element_size(tiny_model_dir, device):
     blocks = {}
     for kv in ("auto", "bfloat16", "fp8_e5m2"):
-        engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), kv_cache_memory_mb=4, block_size=4,
-                                        kv_cache_dtype=kv))
+        engine = _engine(tiny_model_dir("llama"), device, kv_cache_memory_mb=4, block_size=4, kv_cache_dtype=kv)
         blocks[kv] = engine.block_manager.num_blocks
         assert engine.runner.kv_cache.numel() * engine.runner.kv_cache.element_size() <= 4 * 2**20
     assert blocks["bfloat16"] == 2 * blocks["auto"] and blocks["fp8_e5m2"] == 4 * blocks["auto"]

@@ -1,8 +1,11 @@
-"""NCCL KV transfer between two Ray actors, one GPU each, on the real SmolLM2; and transport selection.
+"""The NCCL channel: its own stream, ordered against the compute stream by events; the NCCL KV transfer
+between two Ray actors, one GPU each, on the real SmolLM2; and transport selection.
 
-The `gpu` tests need two CUDA devices: NCCL refuses two ranks on one device. They have not run yet
-(no development or CI machine of this project has two GPUs); the CPU test below checks that a CPU
-cache gets gloo and a CUDA cache gets NCCL through the very same Ray glue.
+NCCL refuses two ranks on one device, so a prefill/decode pair needs two GPUs (and Ray). On one GPU,
+the channel's own parts run for real: its stream (a stuck transfer holds back neither the compute
+stream nor, past its timeout, the caller), its staging of host tensors through pinned memory, and its
+ordering after the compute stream's writes, through a real NCCL send and receive of a one-rank
+communicator to itself.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from kv_transfer import make_transport
+from kv_transfer import PeerDiedError, TransferTimeoutError, make_transport
 from kv_transfer.gloo import GlooTransport
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0)
@@ -32,12 +35,102 @@ def test_transport_follows_the_cache_device():
         make_transport("meta", "127.0.0.1")
 
 
+def test_nccl_transport_refuses_a_cpu_device():
+    from kv_transfer.nccl import NcclTransport  # importable without cupy
+
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        NcclTransport("cpu")
+
+
 @pytest.mark.gpu
 def test_cuda_cache_gets_nccl():
     from kv_transfer.nccl import NcclTransport
 
     t = make_transport("cuda", "127.0.0.1")
     assert isinstance(t, NcclTransport) and t.device.type == "cuda"
+
+
+def _self_channel(timeout_s: float = 30.0):
+    """A channel of a one-rank communicator: rank 0 sends to and receives from itself."""
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    from kv_transfer.nccl import NcclChannel
+
+    ch = NcclChannel("self", 0, torch.device("cuda", torch.cuda.current_device()), timeout_s, world_size=1)
+    ch._init(nccl.get_unique_id())
+    assert ch.comm is not None, ch._error
+    return ch, nccl
+
+
+SPIN = 200_000_000  # cycles of `torch.cuda._sleep`: ~0.1 s of a busy stream
+
+
+@pytest.mark.gpu
+def test_channel_send_waits_for_the_compute_streams_writes():
+    ch, nccl = _self_channel()
+    try:
+        src = torch.zeros(1 << 20, device="cuda")
+        dst = torch.full_like(src, -1.0)
+        torch.cuda._sleep(SPIN)  # the compute stream is busy...
+        src.fill_(7.0)  # ...before it writes what the channel sends
+        # A send to self completes only together with its receive: both in one NCCL group. (The
+        # operations' `done` events are recorded before the group launches, so wait on the stream.)
+        nccl.groupStart()
+        ch.isend(src)
+        ch.irecv(dst)
+        nccl.groupEnd()
+        ch.stream.synchronize()
+        assert bool((dst == 7.0).all())
+    finally:
+        ch.close()
+
+
+@pytest.mark.gpu
+def test_channel_stages_host_tensors_through_pinned_memory():
+    ch, _ = _self_channel()
+    try:
+        header = torch.arange(8, dtype=torch.int64) * 3  # pageable host memory, as the protocol's headers
+        caller = torch.cuda.current_stream()
+        with torch.cuda.stream(ch.stream):
+            on_device, pinned = ch._stage(header, True, caller)
+        assert pinned.is_pinned() and on_device.is_cuda
+        ch.stream.synchronize()
+        assert on_device.cpu().tolist() == header.tolist()
+        out = torch.zeros(8, dtype=torch.int64)
+        with torch.cuda.stream(ch.stream):
+            landing, pinned = ch._stage(out, False, caller)
+        assert landing.is_cuda and pinned.is_pinned() and pinned is not out
+    finally:
+        ch.close()
+
+
+@pytest.mark.gpu
+def test_a_stuck_channel_holds_back_neither_compute_nor_the_caller():
+    """A receive whose peer never sends sits on the channel's stream (here: a long spin stands in for
+    it): the compute stream's work still completes, and `wait` gives up at its timeout, leaving the
+    channel closed. (How long closing takes is not asserted: on the H200 run, aborting the
+    communicator seemed to wait for the stand-in spin, which is no NCCL kernel it could abort.)"""
+    from kv_transfer.nccl import _NcclPending
+
+    ch, _ = _self_channel()
+    x = torch.ones(256, 256, device="cuda")
+    (x @ x).sum().item()  # the matmul library's start-up, outside the timing
+    try:
+        with torch.cuda.stream(ch.stream):
+            torch.cuda._sleep(SPIN * 30)  # ~3 s
+            done = torch.cuda.Event()
+            done.record(ch.stream)
+        t0 = time.monotonic()
+        y = (x @ x).sum()
+        torch.cuda.current_stream().synchronize()
+        assert time.monotonic() - t0 < 1.0 and int(y) == 256 ** 3
+        with pytest.raises(TransferTimeoutError):
+            _NcclPending(ch, done).wait(0.2)
+        assert ch.broken
+        with pytest.raises(PeerDiedError):
+            ch.isend(x)
+    finally:
+        ch.close()
+        torch.cuda.synchronize()
 
 
 def _engine() -> LLMEngine:
@@ -121,7 +214,7 @@ def _actors():
 @pytest.mark.gpu
 @two_gpus
 def test_nccl_disaggregated_matches_single_engine():
-    import ray
+    ray = pytest.importorskip("ray")
 
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
