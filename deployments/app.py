@@ -86,7 +86,7 @@ def _router_serving_state(config: dict):
     hub = StreamHub.options(name=None).remote()
     backend = RouterBackend(router, hub, f"hub-{uuid.uuid4().hex[:8]}", cfg.request_timeout_s)
     return ServingState(backend, AutoTokenizer.from_pretrained(info.model_dir), cfg.served_model_name,
-                        info.max_model_len)
+                        info.max_model_len, info.vocab_size)
 
 
 def build_grpc_app(args: dict | None = None) -> serve.Application:

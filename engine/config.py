@@ -37,7 +37,8 @@ class EngineConfig:
     model: str | None = setting(None, "HF directory, .gguf file, or hub id already in the local cache",
                                 default_doc="embedded SmolLM2")
     gguf_file: str | None = setting(None, "not read yet: name the .gguf file in `model` itself", cli=False)
-    dtype: str = setting("float32", "model weights and math: float32, bfloat16 or float16")
+    dtype: str = setting("auto", "model weights and math: auto (bfloat16 on CUDA, float32 on CPU), float32, "
+                                 "bfloat16 or float16")
     kv_cache_dtype: str = setting(
         "auto", "the KV cache's element type: auto (the model's dtype), float32, bfloat16, float16 or fp8_e5m2; "
                 "narrower holds more tokens and decodes faster, rounding K and V",
@@ -102,8 +103,10 @@ class EngineConfig:
             raise EngineConfigError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.max_wait_s < 0:
             raise EngineConfigError(f"max_wait_s must be >= 0, got {self.max_wait_s}")
+        if self.dtype == "auto":  # resolved here, so every reader sees a concrete name
+            object.__setattr__(self, "dtype", "bfloat16" if str(self.device).startswith("cuda") else "float32")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise EngineConfigError(f"dtype={self.dtype!r}: choose float32, bfloat16 or float16")
+            raise EngineConfigError(f"dtype={self.dtype!r}: choose auto, float32, bfloat16 or float16")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
 

@@ -192,6 +192,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                                  num_cached_tokens=out.num_cached_tokens)
                 if out.finished:
                     ev.finished, ev.finish_reason = True, out.finish_reason
+                    ev.error = out.error  # finish_reason "error": what this request alone did wrong
                     del self.requests[out.request_id]
                     finished.append(out.request_id)
                 events.append(ev)

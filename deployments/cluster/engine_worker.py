@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -24,6 +25,7 @@ from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
 from deployments.config import ServeConfig
 from engine import LLMEngine, RequestOutput
+from engine.device_health import is_device_fatal
 from kv_transfer import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,7 @@ class EngineWorker:
             self.kv_importer.connect(peer_id, peer_actor)
             return True
         except KVTransferError as exc:
+            self._exit_if_device_broken(exc)
             logger.warning("%s: could not open a KV channel to %s: %r", self.worker_id, peer_id, exc)
             return False
 
@@ -202,7 +205,19 @@ class EngineWorker:
                 self._after_step(outs, stats)
             except Exception as exc:  # noqa: BLE001 - a broken step must not kill the worker silently
                 logger.exception("%s: step failed", self.worker_id)
-                self._fail_all(f"{self.role.value} step failed: {exc!r}")
+                self._exit_if_device_broken(exc)
+                # NOTE: the client sees a generic message; the exception text stays in the worker's log.
+                self._fail_all(f"generation failed: the {self.role.value} step failed ({type(exc).__name__})")
+
+    def _exit_if_device_broken(self, exc: BaseException) -> None:
+        """A sticky device error (a broken CUDA context) fails every later step too: exit the process,
+        so the router sees a death and moves this worker's requests (their greedy output unchanged)
+        instead of failing them all, step after step. `os._exit`: this runs in the loop thread, and the
+        way out must not make more calls on the broken device."""
+        if is_device_fatal(exc, self.engine.config.device):
+            logger.critical("%s: device context broken (%r); exiting so the work moves elsewhere",
+                            self.worker_id, exc)
+            os._exit(1)
 
     def _fail_all(self, message: str) -> None:
         with self.lock:

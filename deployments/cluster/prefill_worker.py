@@ -144,6 +144,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                 self.router.on_prefilled.remote(self.worker_id, req.request_id, handle)
             else:
                 ev.finished, ev.finish_reason = True, out.finish_reason
+                ev.error = out.error  # finish_reason "error": what this request alone did wrong
                 self.router.on_finished.remote(self.worker_id, req.request_id)
             events.append(ev)
             reqs.append(req)

@@ -144,3 +144,11 @@ def test_prefix_cache_keys_are_sha256_and_salted(llm):
     with pytest.raises(InvalidRequestError) as exc:
         eng.add_request("bad-salt", prompt, sp, cache_salt="")
     assert exc.value.field == "cache_salt"
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
+    from engine import EngineConfig
+
+    assert EngineConfig().dtype == "float32"
+    assert EngineConfig(device="cuda").dtype == "bfloat16"  # nothing loads: no GPU needed
+    assert EngineConfig(device="cuda", dtype="float32").dtype == "float32"
