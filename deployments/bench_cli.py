@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-PERCENTILES = (50, 90, 99)
+from deployments.bench_report import (  # noqa: E402 - re-exported: the library entry points
+    _request_row, compute_metrics, plot_results, print_report, throughput_timeline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,148 +289,6 @@ def _progress(cfg: BenchConfig):
 
 
 # ---------------------------------------------------------------------------------------------- metrics
-
-
-def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:
-    """mean and percentiles (linear interpolation), in ms by default."""
-    if not values:
-        return {"mean": None, **{f"p{p}": None for p in PERCENTILES}}
-    xs = sorted(v * scale for v in values)
-
-    def pct(p: float) -> float:
-        k = (len(xs) - 1) * p / 100.0
-        lo, hi = math.floor(k), math.ceil(k)
-        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-    return {"mean": sum(xs) / len(xs), **{f"p{p}": pct(p) for p in PERCENTILES}}
-
-
-def _meets_slo(cfg: BenchConfig, r: RequestResult) -> bool:
-    if not r.ok:
-        return False
-    if cfg.slo_ttft_ms is not None and r.ttft * 1000.0 > cfg.slo_ttft_ms:
-        return False
-    tpot = r.tpot
-    return cfg.slo_tpot_ms is None or tpot is None or tpot * 1000.0 <= cfg.slo_tpot_ms
-
-
-def compute_metrics(cfg: BenchConfig, results: list[RequestResult], duration_s: float) -> dict[str, Any]:
-    """Latencies in ms; rates per second of the whole run (first send to last completion)."""
-    ok = [r for r in results if r.ok]
-    out_tokens = sum(r.num_output_tokens for r in ok)
-    good = sum(_meets_slo(cfg, r) for r in results)
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            key = (r.error or "unknown")[:80]
-            errors[key] = errors.get(key, 0) + 1
-    return {
-        "duration_s": duration_s,
-        "num_requests": len(results),
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "errors": errors,
-        "usage_reported": sum(r.usage_reported for r in ok),
-        "total_output_tokens": out_tokens,
-        "total_prompt_tokens": sum(r.num_prompt_tokens for r in ok),
-        # Prompt tokens the server reported served from its prefix cache (usage.prompt_tokens_details).
-        "cached_prompt_tokens": sum(r.num_cached_tokens for r in ok),
-        "request_throughput": len(ok) / duration_s,
-        "output_throughput": out_tokens / duration_s,
-        "goodput": good / duration_s,
-        "good_requests": good,
-        "ttft_ms": _stats([r.ttft for r in ok]),
-        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": _stats([x for r in ok for x in r.itls]),
-        "e2e_ms": _stats([r.e2e for r in ok]),
-    }
-
-
-def throughput_timeline(results: list[RequestResult], bucket_s: float = 1.0) -> list[tuple[float, float]]:
-    """(bucket start s, output tokens/s) with each request's tokens spread over its content chunks."""
-    counts: dict[int, float] = {}
-    for r in results:
-        if not r.ok or not r.chunk_times:
-            continue
-        per_chunk = r.num_output_tokens / len(r.chunk_times)
-        for t in r.chunk_times:
-            counts[int(t // bucket_s)] = counts.get(int(t // bucket_s), 0.0) + per_chunk
-    if not counts:
-        return []
-    return [(b * bucket_s, counts.get(b, 0.0) / bucket_s) for b in range(max(counts) + 1)]
-
-
-def _request_row(r: RequestResult) -> dict[str, Any]:
-    return {"index": r.index, "ok": r.ok, "error": r.error, "max_tokens": r.max_tokens,
-            "output_tokens": r.num_output_tokens, "prompt_tokens": r.num_prompt_tokens,
-            "cached_tokens": r.num_cached_tokens, "start_s": r.start, "ttft_s": r.ttft, "tpot_s": r.tpot,
-            "e2e_s": r.e2e}
-
-
-# ---------------------------------------------------------------------------------------------- output
-
-
-def _f(x: float | None, digits: int = 1) -> str:
-    return "-" if x is None else f"{x:,.{digits}f}"
-
-
-def print_report(result: dict, title: str = "pdserve bench") -> None:
-    """A rich table of the metrics of one `run_benchmark` result."""
-    from rich.console import Console
-    from rich.table import Table
-
-    m, c = result["metrics"], result["config"]
-    table = Table(title=f"{title}: {c['base_url']} model={c['model']}", title_justify="left")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    slo = ", ".join(f"{k}<={c[k]}" for k in ("slo_ttft_ms", "slo_tpot_ms") if c[k] is not None) or "none"
-    for name, value in [("requests ok / failed", f"{m['completed']} / {m['failed']}"),
-                        ("duration (s)", _f(m["duration_s"], 2)),
-                        ("request throughput (req/s)", _f(m["request_throughput"], 2)),
-                        ("output throughput (tok/s)", _f(m["output_throughput"], 1)),
-                        (f"goodput (req/s, SLO {slo})", _f(m["goodput"], 2)),
-                        ("output tokens (usage-reported reqs)", f"{m['total_output_tokens']} ({m['usage_reported']})"),
-                        ("prompt tokens / of them cached", f"{m['total_prompt_tokens']} / {m['cached_prompt_tokens']}")]:
-        table.add_row(name, value)
-    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
-        s = m[key]
-        table.add_row(f"{label} ms mean / p50 / p90 / p99",
-                      " / ".join(_f(s[k]) for k in ("mean", *(f"p{p}" for p in PERCENTILES))))
-    console = Console(width=120)
-    console.print(table)
-    for err, n in m["errors"].items():
-        console.print(f"  [red]{n} failed[/red]: {err}")
-
-
-def plot_results(result: dict, results: list[RequestResult], path: str) -> None:
-    """Latency CDFs (TTFT, TPOT, E2E) and output tokens/s over time, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if r.ok]
-    series = {"TTFT": [r.ttft for r in ok], "TPOT": [r.tpot for r in ok if r.tpot is not None],
-              "E2E": [r.e2e for r in ok]}
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (name, vals) in zip(axes.flat, series.items()):
-        xs = sorted(v * 1000.0 for v in vals)
-        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
-        ax.set(title=f"{name} CDF", xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
-        ax.grid(alpha=0.3)
-    ax = axes.flat[3]
-    tl = result["timeline"]
-    ax.plot([t for t, _ in tl], [v for _, v in tl], marker=".")
-    ax.set(title="output throughput", xlabel="s since start", ylabel="tokens/s")
-    ax.grid(alpha=0.3)
-    fig.suptitle(f"{result['config']['model']} @ {result['config']['base_url']}")
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------- CLI
 
 
 def _range(text: str) -> tuple[int, int]:
