@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import pytest
 
 fastapi = pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
 
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
 
 from deployments.bench_cli import BenchConfig, arrival_offsets, make_requests, run_benchmark  # noqa: E402
 from deployments.cli import main as cli_main  # noqa: E402
+from helpers import ThreadedServer  # noqa: E402
 
 FIRST_SLEEP_S = 0.03
 TOKEN_SLEEP_S = 0.01
@@ -65,32 +63,10 @@ def _fake_app() -> FastAPI:
     return app
 
 
-class _Server:
-    def __init__(self, app: FastAPI):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "fake server did not start"
-            time.sleep(0.02)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def server():
     app = _fake_app()
-    srv = _Server(app)
+    srv = ThreadedServer(app)
     srv.app = app
     yield srv
     srv.stop()

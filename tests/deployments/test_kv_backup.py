@@ -21,6 +21,7 @@ from deployments.cluster.decode_worker import DecodeWorker
 from deployments.cluster.messages import Admission, BackupTo, FetchFrom, GenRequest
 from deployments.cluster.prefill_worker import PrefillWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import local_ray, run_offline, wait_for
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -67,26 +68,20 @@ class FakeHub:
 
 
 def _wait(fn, timeout_s=120.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = fn()
-        if got:
-            return got
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
+    return wait_for(fn, timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="module")
 def workers():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="pdserve-backup-test")
-    cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64, block_size=BS))
-    router, hub = FakeRouter.remote(), FakeHub.remote()
-    prefill = PrefillWorker.options(num_cpus=1).remote("p0", cfg, router)
-    decode = DecodeWorker.options(num_cpus=1).remote("d0", cfg, router)
-    ray.get([prefill.info.remote(), decode.info.remote()], timeout=300)
-    assert ray.get(prefill.connect_kv.remote("d0", decode), timeout=60)  # the backup channel, d0 -> p0
-    yield router, hub, prefill, decode
-    ray.shutdown()
+    with local_ray(4, namespace="pdserve-backup-test"):
+        cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64,
+                                         block_size=BS))
+        router, hub = FakeRouter.remote(), FakeHub.remote()
+        prefill = PrefillWorker.options(num_cpus=1).remote("p0", cfg, router)
+        decode = DecodeWorker.options(num_cpus=1).remote("d0", cfg, router)
+        ray.get([prefill.info.remote(), decode.info.remote()], timeout=300)
+        assert ray.get(prefill.connect_kv.remote("d0", decode), timeout=60)  # the backup channel, d0 -> p0
+        yield router, hub, prefill, decode
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +97,7 @@ def survivor(workers):
 
 def _greedy(prompt, max_tokens):
     eng = LLMEngine(EngineConfig(model=None, num_kv_blocks=64, block_size=BS))
-    eng.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                return o.token_ids
+    return run_offline(eng, [prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0].token_ids
 
 
 @pytest.mark.parametrize("first_block", [0, 2])

@@ -15,6 +15,7 @@ from deployments.cluster.messages import SubmitResult
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import SamplingParams
+from helpers import local_ray, wait_for
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -39,9 +40,8 @@ class StuckRouter:
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, namespace="pdserve-deadline-test")
-    yield
-    ray.shutdown()
+    with local_ray(1, namespace="pdserve-deadline-test"):
+        yield
 
 
 def test_request_without_progress_ends_with_an_error(cluster):
@@ -57,9 +57,7 @@ def test_request_without_progress_ends_with_an_error(cluster):
     assert len(deltas) == 1 and deltas[0].finished and deltas[0].finish_reason == "error"
     assert "no progress" in deltas[0].error and "request_timeout_s" in deltas[0].error
     assert 1.5 <= took < 10.0
-    submitted, aborted = ray.get(router.calls.remote(), timeout=30)
-    deadline = time.monotonic() + 10
-    while not aborted and time.monotonic() < deadline:  # the abort is fire-and-forget
-        time.sleep(0.1)
-        submitted, aborted = ray.get(router.calls.remote(), timeout=30)
+    # The abort is fire-and-forget: wait for it to land.
+    submitted, aborted = wait_for(lambda: ray.get(router.calls.remote(), timeout=30), lambda calls: calls[1],
+                                  timeout_s=10, what="the router's abort")
     assert submitted == ["stuck"] and aborted == ["stuck"]
