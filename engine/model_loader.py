@@ -78,13 +78,22 @@ def _convert_gguf(gguf_path: str, dtype: torch.dtype, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_model_dir(model: str | None, dtype: torch.dtype, cache_dir: str | None = None) -> str:
-    """Return a local HF directory for `model`, converting GGUF files once into the cache."""
+def _local_spec(model: str | None) -> str:
+    """`model` as this node names it: the default model becomes the GGUF file in this node's venv."""
     if model is None or model == DEFAULT_MODEL_NAME:
         model = default_gguf_path()
+    if model.endswith(".gguf") and not os.path.isfile(model):
+        raise EngineConfigError(f"GGUF file {model} does not exist")
+    return model
+
+
+def resolve_model_dir(model: str | None, dtype: torch.dtype, cache_dir: str | None = None) -> str:
+    """Return a local HF directory for `model`, converting GGUF files once into the cache.
+
+    NOTE: the directory is this node's (its cache, its HF hub snapshot): send the model spec to other
+    nodes, never this path; each node resolves the spec itself."""
+    model = _local_spec(model)
     if model.endswith(".gguf"):
-        if not os.path.isfile(model):
-            raise EngineConfigError(f"GGUF file {model} does not exist")
         out_dir = _gguf_cache_dir(model, dtype, cache_dir)
         if not (out_dir / "model.safetensors").exists():
             logger.info("converting %s into %s (once)", model, out_dir)
@@ -101,6 +110,22 @@ def resolve_model_dir(model: str | None, dtype: torch.dtype, cache_dir: str | No
             f"model {model!r} is neither a local directory, a .gguf file, nor in the local HF cache "
             "(pdserve never downloads weights at run time)"
         ) from exc
+
+
+def load_tokenizer(model: str | None, dtype: str = "float32", cache_dir: str | None = None):
+    """The tokenizer (and its chat template) of model spec `model`, resolved on this node as the
+    weights would be, for a process that only tokenizes (the HTTP ingress): a GGUF file is read
+    directly (~3 s) unless this node already converted it, never converted for it."""
+    from transformers import AutoTokenizer
+
+    model = _local_spec(model)
+    if model.endswith(".gguf"):
+        converted = _gguf_cache_dir(model, getattr(torch, dtype), cache_dir)
+        if (converted / "model.safetensors").exists():
+            return AutoTokenizer.from_pretrained(str(converted))
+        directory, filename = os.path.split(os.path.abspath(model))
+        return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model, getattr(torch, dtype), cache_dir))
 
 
 def load_model_and_tokenizer(model: str | None, dtype: str = "float32", device: str = "cpu",

@@ -1,0 +1,120 @@
+"""A tiny random model copied to every host (as `ray up`'s file_mounts would), so each test here runs in
+seconds: the HTTP door on a host of its own, streaming as the offline engine; and a burst that asks
+for a second prefill worker no host has room for, until a new host joins (what an autoscaler would
+add) and the next burst is shared between the two prefill hosts.
+
+    driver ── bridge ──┬── head: GCS, Serve controller + proxy, router
+                       ├── ing:  HTTP ingress replica
+                       ├── pre1: prefill worker          (pre2 joins for the scale-up)
+                       └── dec1: decode worker
+"""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from deployments.config import RAY_ENV_DEFAULTS, ServeConfig
+from engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import run_offline, wait_for, wait_no_leaks
+from netbed import HostSpec, host_of_node, pids_titled, ray_processes, start_pdserve, stream_all
+
+pytestmark = pytest.mark.multinode
+
+HOSTS = [HostSpec("head", 0, {"router": 1}), HostSpec("ing", 0, {"ingress": 1}), HostSpec("pre1", 1, {"prefill": 1}),
+         HostSpec("dec1", 1, {"decode": 1})]
+SETTINGS = dict(num_prefill_workers=1, prefill_max_workers=2, num_decode_workers=1, prefill_resources={"prefill": 1},
+                decode_resources={"decode": 1}, kv_cache_memory_mb=32, max_num_seqs=8, max_num_batched_tokens=32,
+                # a tiny model's burst is over in a second or two: scale on the first tick that sees it
+                prefill_target_queued_tokens=256, upscale_delay_s=0.0, autoscale_interval_s=0.2,
+                downscale_delay_s=600.0, local_prefill_max_tokens=0, health_check_timeout_s=5.0,
+                request_timeout_s=120.0)
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+HUB_REQUEST = "/tmp/helper_requests/multinode.md, request 3"
+
+
+@pytest.fixture(scope="module")
+def cluster(make_bed, tiny_model_dir):
+    local = tiny_model_dir("llama")
+    bed = make_bed(HOSTS[0], HOSTS[1:], env=dict(RAY_ENV_DEFAULTS))
+    model = bed.provision(local, "models/tiny-llama")  # one path, a copy on every host (and every later one)
+    config = ServeConfig.from_dict({**SETTINGS, "model": model})
+    router, hub = start_pdserve(config, {"router": 1})
+    return bed, router, hub, config, LLMEngine(EngineConfig(model=local, num_kv_blocks=256))
+
+
+@pytest.fixture(scope="module")
+def http_url(cluster):
+    """The HTTP app: Serve's proxy on the head, the ingress replica on host `ing`."""
+    from ray import serve
+
+    from deployments.app import OpenAIIngress
+
+    bed, _, _, config, _ = cluster
+    serve.start(proxy_location="HeadOnly", http_options={"host": "0.0.0.0", "port": 8000})
+    # NOTE: no ServeConfig setting places the ingress (request 3): its options, with a resource.
+    app = OpenAIIngress.options(num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {"ingress": 1}})
+    serve.run(app.bind(config.to_dict()), name="pdserve", route_prefix="/")
+    return f"http://{bed.hosts['head'].ip}:8000/v1"
+
+
+def test_http_chat_streams_from_another_host_as_offline(cluster, http_url):
+    from openai import OpenAI
+
+    bed, router, _, config, offline = cluster
+    assert pids_titled(bed, "ing", "ray::ServeReplica:pdserve:OpenAIIngress"), ray_processes(bed, "ing")
+    assert pids_titled(bed, "head", "ray::ProxyActor")
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    [ref] = run_offline(offline, [offline.apply_chat_template(q)], SamplingParams(max_tokens=24, temperature=0))
+    client = OpenAI(base_url=http_url, api_key="unused", max_retries=0, timeout=120)
+    chunks = client.chat.completions.create(model=config.served_model_name, messages=q, max_tokens=24, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    wait_no_leaks(router)
+
+
+@pytest.mark.xfail(strict=False, reason="the ingress replica's StreamHub has no placement: Ray puts it on any host, "
+                   "often a worker's, whose death then loses every stream of that replica "
+                   f"({HUB_REQUEST}); Ray's choice varies, so it passes by chance")
+def test_the_ingress_keeps_its_stream_hub_on_its_own_host(cluster, http_url):
+    bed = cluster[0]
+    where = {h: pids_titled(bed, h, "ray::StreamHub") for h in bed.hosts if h not in ("driver",)}
+    assert [h for h, pids in where.items() if pids] == ["ing"], where
+
+
+def _burst(seed: int, n: int = 16, length: int = 300) -> list[list[int]]:
+    return [[100 + (seed * 131 + i * 17 + j * 7) % 4000 for j in range(length)] for i in range(n)]
+
+
+def _prefill_hosts(bed, router) -> dict[str, str]:
+    stats = ray.get(router.stats.remote(), timeout=30)
+    return {wid: host_of_node(bed, w["node_id"]) for wid, w in stats["prefill"].items() if w["ready"]}
+
+
+def test_scale_up_waits_for_a_host_and_takes_it_when_one_joins(cluster):
+    bed, router, hub, _, offline = cluster
+    first = _burst(1)
+    got, _ = stream_all(router, hub, first, PARAMS)
+    assert got == [o.token_ids for o in run_offline(offline, first, PARAMS)]
+    stats = ray.get(router.stats.remote(), timeout=30)
+    ups = [d for d in stats["decisions"] if d["pool"] == "prefill" and d["action"] == "scale_up"]
+    assert ups and ups[0]["to"] == 2, stats["decisions"]
+    # The new worker has nowhere to run: pre1's one `prefill` is taken.
+    assert stats["pools"]["prefill"]["size"] == 2 and stats["pools"]["prefill"]["ready"] == 1, stats["pools"]
+    assert list(_prefill_hosts(bed, router).values()) == ["pre1"]
+
+    bed.add_host(HostSpec("pre2", 1, {"prefill": 1}))
+    hosts = wait_for(lambda: _prefill_hosts(bed, router), lambda h: sorted(h.values()) == ["pre1", "pre2"],
+                     timeout_s=120, interval_s=0.5, what="the pending prefill worker ready on the new host")
+    new = next(wid for wid, h in hosts.items() if h == "pre2")
+    steps = _steps(router, new)
+    second = _burst(2)
+    got, _ = stream_all(router, hub, second, PARAMS)
+    assert got == [o.token_ids for o in run_offline(offline, second, PARAMS)]
+    assert _steps(router, new) > steps  # the new host prefilled part of the burst
+    assert ray.get(router.stats.remote(), timeout=30)["counters"]["failed"] == 0
+    wait_no_leaks(router)
+
+
+def _steps(router, worker_id: str) -> int:
+    return ray.get(router.check_integrity.remote(), timeout=60)[worker_id]["num_steps"]
