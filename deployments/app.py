@@ -58,13 +58,15 @@ def shutdown_router(timeout_s: float = 30.0) -> None:
 class OpenAIIngress:
     def __init__(self, config: dict):
         cfg = ServeConfig.from_dict(config)
-        from transformers import AutoTokenizer
+        from engine.model_loader import load_tokenizer
 
         self.router = get_or_create_router(cfg)
         info = ray.get(self.router.wait_ready.remote(900.0), timeout=960.0)
         hub_id = f"hub-{uuid.uuid4().hex[:8]}"
-        self.hub = StreamHub.options(name=None).remote()
-        tokenizer = AutoTokenizer.from_pretrained(info.model_dir)
+        self.hub = _local_hub()
+        # NOTE: resolved on this replica's own node from the model spec: info.model_dir is a path on a
+        # worker's node, which a multi-node cluster's ingress node need not have.
+        tokenizer = load_tokenizer(cfg.engine.model, cfg.engine.dtype, cfg.engine.cache_dir)
         self.backend = RouterBackend(self.router, self.hub, hub_id, cfg.request_timeout_s)
         self._asgi = build_openai_app(self.backend, tokenizer, cfg.served_model_name, info.max_model_len,
                                       api_key=cfg.api_key, vocab_size=info.vocab_size)
@@ -74,18 +76,28 @@ class OpenAIIngress:
         return self._asgi
 
 
+def _local_hub() -> Any:
+    """This ingress replica's StreamHub, on the replica's own node: a hub elsewhere would die with
+    that node (a worker's, say) and take every stream of this replica with it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return StreamHub.options(name=None, scheduling_strategy=here).remote()
+
+
 def _router_serving_state(config: dict):
     """gRPC ingress factory: the same router backend as HTTP, with this replica's own StreamHub."""
-    from transformers import AutoTokenizer
+    from engine.model_loader import load_tokenizer
 
     from deployments.frontend.grpc_app import ServingState
 
     cfg = ServeConfig.from_dict(config)
     router = get_or_create_router(cfg)
     info = ray.get(router.wait_ready.remote(900.0), timeout=960.0)
-    hub = StreamHub.options(name=None).remote()
+    hub = _local_hub()
     backend = RouterBackend(router, hub, f"hub-{uuid.uuid4().hex[:8]}", cfg.request_timeout_s)
-    return ServingState(backend, AutoTokenizer.from_pretrained(info.model_dir), cfg.served_model_name,
+    return ServingState(backend, load_tokenizer(cfg.engine.model, cfg.engine.dtype, cfg.engine.cache_dir),
+                        cfg.served_model_name,
                         info.max_model_len, info.vocab_size)
 
 

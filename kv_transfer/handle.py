@@ -68,4 +68,5 @@ class KVHandle:
         return self.num_blocks * self.layout.block_bytes
 
     def expired(self, now: float | None = None) -> bool:
+        """On the SENDER's clock only: `expires_at` is its wall clock, and hosts' clocks differ."""
         return (time.time() if now is None else now) >= self.expires_at

@@ -25,6 +25,7 @@ parts that decide, and makes the Ray calls they ask for (`Action`s, in `_do`):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -346,14 +347,31 @@ class Router:
         finally:
             self.pools.replacing[role] -= 1
         for w in self.pools.refill(role):
-            asyncio.get_event_loop().create_task(self._until_ready(self._start_worker(w)))
+            asyncio.get_event_loop().create_task(self._bring_up(self._start_worker(w)))
+
+    async def _bring_up(self, w: WorkerView, attempt: int = 0) -> None:
+        """A new worker (replacement, scale-up) that never starts (its node died under it, its model
+        failed to load) leaves the pool and is replaced after a backoff, instead of holding a place
+        in the pool as not ready for good."""
+        try:
+            await self._until_ready(w)
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
+            if not self.state.remove_worker(w):
+                return
+            with contextlib.suppress(Exception):
+                ray.kill(self.actors.pop(w.worker_id))
+            n = len(self.state.pools[w.role])
+            self.pools.record(w.role, PoolAction.REPLACE, n + 1, n, f"{w.worker_id} failed to start: {exc!r:.200}")
+            await asyncio.sleep(min(30.0, 2.0 * 2 ** attempt))
+            for nw in self.pools.refill(w.role):
+                asyncio.get_event_loop().create_task(self._bring_up(self._start_worker(nw), attempt + 1))
 
     # ------------------------------------------------------------------ pools
     async def _autoscale(self) -> None:
         while True:
             await asyncio.sleep(self.config.autoscale_interval_s)
             for w in self.pools.tick(time.time()):
-                asyncio.get_event_loop().create_task(self._until_ready(self._start_worker(w)))
+                asyncio.get_event_loop().create_task(self._bring_up(self._start_worker(w)))
             for w in self.pools.finished_drains():
                 actor = self.actors.pop(w.worker_id)
                 try:

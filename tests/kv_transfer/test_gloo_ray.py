@@ -164,7 +164,7 @@ def test_expired_lease(cluster, decode):
     p = Prefill.remote("p-exp", lease_s=0.5)
     h, ids = ray.get(p.prefill.remote("e0", PROMPTS[4]))
     time.sleep(0.6)
-    with pytest.raises(LeaseExpiredError):  # seen by the decode side before allocating
+    with pytest.raises(LeaseExpiredError):  # the prefill side answers: expired on its own clock
         ray.get(decode.pull.remote(h, ids, p))
     h, ids = ray.get(p.prefill.remote("e1", PROMPTS[4]))
     ray.get(p.reap.remote(h.expires_at))  # the exporter reaped it first

@@ -119,7 +119,7 @@ def test_expired_lease_frees_both_sides(model_dir):
     h = pair.prefill("r0", PROMPTS[3])
     import time
     time.sleep(0.1)
-    with pytest.raises(LeaseExpiredError):  # caught before allocating: the sender is told to drop it
+    with pytest.raises(LeaseExpiredError):  # the sender judges it on its own clock; both sides free
         pair.receiver.receive(h, pair.start_push(h), abandon=lambda: pair.leases.release(h.request_id, h.epoch))
     pair.check()
 

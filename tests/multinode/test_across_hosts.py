@@ -36,8 +36,6 @@ PROMPTS = [f"Write a short story number {i} about a {w}." for i, w in
            enumerate(["dragon", "robot", "sailor", "garden", "violin", "comet"])]
 # Streams that outlast a host's death being noticed (seconds) and their move to the other host.
 LONG_MAX_TOKENS = 160
-INGRESS_REQUEST = "/tmp/helper_requests/multinode.md, request 1"
-REPLACEMENT_REQUEST = "/tmp/helper_requests/multinode.md, request 2"
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +139,6 @@ def test_decode_host_dies_mid_stream_streams_end_as_offline(cluster, offline):
     wait_no_leaks(router)
 
 
-@pytest.mark.xfail(strict=False, reason="racy until fixed: a replacement Ray schedules onto the dying host (before "
-                   "the GCS marks it dead) fails to start, and the router keeps it in the pool as not ready for good, "
-                   f"so the pool never refills ({REPLACEMENT_REQUEST})")
 def test_a_new_host_takes_the_dead_workers_place(cluster, offline):
     bed, router, hub, _ = cluster
     alive = sorted(h for h in ("dec1", "dec2") if bed.hosts[h].alive)
@@ -159,8 +154,6 @@ def test_a_new_host_takes_the_dead_workers_place(cluster, offline):
     wait_no_leaks(router)
 
 
-@pytest.mark.xfail(strict=True, reason="the HTTP ingress loads its tokenizer from info['model_dir'], a path on a "
-                   f"worker's host that the ingress host does not have ({INGRESS_REQUEST})")
 def test_http_chat_streams_across_hosts_as_offline(cluster, offline):
     from openai import OpenAI
     from ray import serve

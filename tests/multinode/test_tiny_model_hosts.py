@@ -30,7 +30,6 @@ SETTINGS = dict(num_prefill_workers=1, prefill_max_workers=2, num_decode_workers
                 downscale_delay_s=600.0, local_prefill_max_tokens=0, health_check_timeout_s=5.0,
                 request_timeout_s=120.0)
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-HUB_REQUEST = "/tmp/helper_requests/multinode.md, request 3"
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +72,6 @@ def test_http_chat_streams_from_another_host_as_offline(cluster, http_url):
     wait_no_leaks(router)
 
 
-@pytest.mark.xfail(strict=False, reason="the ingress replica's StreamHub has no placement: Ray puts it on any host, "
-                   "often a worker's, whose death then loses every stream of that replica "
-                   f"({HUB_REQUEST}); Ray's choice varies, so it passes by chance")
 def test_the_ingress_keeps_its_stream_hub_on_its_own_host(cluster, http_url):
     bed = cluster[0]
     where = {h: pids_titled(bed, h, "ray::StreamHub") for h in bed.hosts if h not in ("driver",)}
