@@ -67,12 +67,15 @@ class GenerateBackend(Protocol):
 
     `generate` is an async generator. Errors the caller caused (`InvalidRequestError`, including
     `PromptTooLongError`) and `QueueFullError` are raised before the first event; failures after it
-    arrive as a final event with finish_reason "error". Closing the generator early (client gone)
-    must not leak the request, but `TextStream` also calls `abort` explicitly.
+    arrive as a final event with finish_reason "error" (its `error` may hold internal text: the doors
+    log it, never show it). Closing the generator early (client gone) must not leak the request, but
+    `TextStream` also calls `abort` explicitly: `abort` of a request that is unknown (never submitted,
+    or cancelled while submitting) or already finished is a no-op that leaves nothing behind.
+    `cache_salt`: the request shares prefix-cache entries only with requests of the same salt.
     """
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0) -> AsyncIterator[TokenDelta]: ...
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -95,6 +98,7 @@ class _Command:
     prompt_token_ids: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
     priority: int = 0
+    cache_salt: str | None = None
     fn: Callable[[LLMEngine], Any] | None = None
     future: concurrent.futures.Future | None = None
 
@@ -128,7 +132,7 @@ class LocalEngineBackend:
 
     # ------------------------------------------------------------------ GenerateBackend
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
         with self._cv:
             if self._closed:
@@ -140,7 +144,7 @@ class LocalEngineBackend:
                     f"{len(self._streams)} requests in flight (limit {self.max_num_requests}); retry later",
                     self.retry_after_s)
             self._streams[request_id] = stream
-            self._commands.append(_Command("add", request_id, list(prompt_token_ids), params, priority))
+            self._commands.append(_Command("add", request_id, list(prompt_token_ids), params, priority, cache_salt))
             self._cv.notify()
         finished = False
         try:
@@ -242,7 +246,7 @@ class LocalEngineBackend:
                         self._cv.wait(timeout=0.005)
             for out in outputs:
                 self._deliver(out.request_id, TokenDelta(
-                    list(out.new_token_ids), out.finished, out.finish_reason, None, out.num_prompt_tokens,
+                    list(out.new_token_ids), out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
                     out.num_cached_tokens))
 
     def _apply(self, cmd: _Command) -> None:
@@ -253,7 +257,8 @@ class LocalEngineBackend:
             if not live:
                 return  # aborted before it reached the engine
             try:
-                eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
+                eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
+                                cache_salt=cmd.cache_salt)
             except Exception as e:  # InvalidRequestError and friends: raised by generate()
                 with self._cv:
                     stream = self._streams.pop(cmd.request_id, None)

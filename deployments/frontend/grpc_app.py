@@ -22,6 +22,8 @@ Wiring (the backend comes from a factory, called once in each replica's __init__
     # NOTE: the proxy only routes to apps that have a route_prefix (None hides the app from gRPC
     # too), and an HTTP app usually holds "/": give the gRPC app its own prefix.
     # client: stub.Generate(req, metadata=(("application", "pdserve-grpc"),))
+    # with an API key: GRPCIngress.bind(factory, api_key="KEY") and the client adds
+    # ("authorization", "Bearer KEY") to its metadata.
 """
 
 from __future__ import annotations
@@ -38,10 +40,13 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.grpc_util import RayServegRPCContext
 
+from google.protobuf import unknown_fields
+
+from deployments.frontend.auth import bearer_matches
 from deployments.frontend.backend import GenerateBackend, LocalEngineBackend, QueueFullError
 from deployments.frontend.grpc import pdserve_pb2
 from deployments.frontend.prepare import (
-    PreparedRequest, PromptInput, PromptKind, SamplingInput, ServedModel, UnknownModelError, prepare)
+    PreparedRequest, PromptInput, PromptKind, SamplingInput, ServedModel, UnknownModelError, prepare_off_loop)
 from deployments.frontend.text_stream import GenerationFailed, TextStream
 from engine import InvalidRequestError
 
@@ -110,14 +115,26 @@ class GRPCError(Exception):
         if isinstance(e, QueueFullError):
             return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry after {max(1, math.ceil(e.retry_after_s))}s")
         if isinstance(e, GenerationFailed):
-            return cls(grpc.StatusCode.INTERNAL, str(e))
+            # NOTE: the backend's reason may hold internal text: it is logged (text_stream.py), not sent.
+            return cls(grpc.StatusCode.INTERNAL, f"generation failed for request {e.request_id}; "
+                                                 "the server log has the cause")
         raise TypeError(f"not a neutral error: {type(e).__name__}")
 
 
 _NEUTRAL_ERRORS = (InvalidRequestError, QueueFullError, GenerationFailed)
+UNAUTHENTICATED = GRPCError(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or invalid API key: send metadata `authorization: Bearer <key>`")
 
 
 # ---------------------------------------------------------------------- request → neutral inputs
+def _refuse_unknown_fields(req: pdserve_pb2.GenerateRequest) -> None:
+    """Fields of a newer .proto than this server's are refused, never ignored (as at the HTTP door)."""
+    for field_name, msg in [("request", req), *(("messages", m) for m in req.messages)]:
+        numbers = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(msg)})
+        if numbers:
+            raise InvalidRequestError(field_name, f"fields {numbers[:8]} are unknown to this server")
+
+
 def _prompt_input(req: pdserve_pb2.GenerateRequest) -> PromptInput:
     """The one prompt form that is set; the field that holds it is the one errors name."""
     forms = [name for name, given in (("prompt", bool(req.prompt)), ("prompt_token_ids", len(req.prompt_token_ids) > 0),
@@ -132,34 +149,38 @@ def _prompt_input(req: pdserve_pb2.GenerateRequest) -> PromptInput:
     return PromptInput(PromptKind.CHAT, [{"role": m.role, "content": m.content} for m in req.messages], "messages")
 
 
+def _optional(req: pdserve_pb2.GenerateRequest, name: str) -> Any:
+    return getattr(req, name) if req.HasField(name) else None  # proto3 `optional`: unset is None, not 0
+
+
 def _sampling_input(req: pdserve_pb2.GenerateRequest) -> SamplingInput:
-    def optional(name: str) -> Any:  # proto3 `optional`: unset is None, not 0
-        return getattr(req, name) if req.HasField(name) else None
-
-    return SamplingInput(max_tokens=optional("max_tokens"), temperature=optional("temperature"),
-                         top_p=optional("top_p"), top_k=optional("top_k"), seed=optional("seed"),
+    return SamplingInput(max_tokens=_optional(req, "max_tokens"), temperature=_optional(req, "temperature"),
+                         top_p=_optional(req, "top_p"), top_k=_optional(req, "top_k"), seed=_optional(req, "seed"),
                          stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                         min_tokens=optional("min_tokens"))
+                         min_tokens=_optional(req, "min_tokens"))
 
 
-def prepare_request(req: pdserve_pb2.GenerateRequest, model: ServedModel) -> PreparedRequest:
-    """Validate `req` and turn it into prompt token ids and sampling params; raises `GRPCError`."""
+async def prepare_request(req: pdserve_pb2.GenerateRequest, model: ServedModel) -> PreparedRequest:
+    """Validate `req` and turn it into what the backend takes (prepare.py); raises `GRPCError`."""
     try:
+        _refuse_unknown_fields(req)
         model.check_name(req.model or None)  # empty: the served model
-        return prepare(model, _prompt_input(req), _sampling_input(req))
+        return await prepare_off_loop(model, _prompt_input(req), _sampling_input(req), req.priority,
+                                      _optional(req, "cache_salt"))
     except InvalidRequestError as e:
         raise GRPCError.of(e) from None
 
 
 # ---------------------------------------------------------------------- the stream
-async def generate_stream(backend: GenerateBackend, model: ServedModel, request_id: str, prepared: PreparedRequest,
-                          priority: int = 0) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+async def generate_stream(backend: GenerateBackend, model: ServedModel, request_id: str,
+                          prepared: PreparedRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
     """The text stream as response chunks; the last one carries finish_reason and usage.
 
     `token_ids` are what the model generated; `text` is cut at the first stop string (the tokens that
     spelled it may still appear in `token_ids`). Raises `GRPCError` for refusals and failures.
     """
-    stream = TextStream(backend, request_id, prepared.prompt_token_ids, prepared.params, priority, model.tokenizer)
+    stream = TextStream(backend, request_id, prepared.prompt_token_ids, prepared.params, prepared.priority,
+                        model.tokenizer, prepared.cache_salt)
     try:
         try:
             await stream.start()
@@ -180,41 +201,71 @@ async def generate_stream(backend: GenerateBackend, model: ServedModel, request_
         await stream.close()
 
 
-# ---------------------------------------------------------------------- the Serve deployment
-@serve.deployment(max_ongoing_requests=256)
-class GRPCIngress:
-    """Serve deployment for `pdserve.Generation`; one method per RPC, named as in the .proto.
+# ---------------------------------------------------------------------- the service
+def _fail(grpc_context: RayServegRPCContext, e: GRPCError) -> GRPCError:
+    # Serve keeps a code set on the context when the method raises (gRPCStatusError).
+    grpc_context.set_code(e.code)
+    grpc_context.set_details(e.message)
+    return e
 
-    backend_factory: called once per replica; returns `ServingState(backend, tokenizer, model_name,
-    max_model_len[, vocab_size])` or the same tuple. Use `local_engine_factory(...)` for an in-replica
-    engine, or a factory that builds the router backend (deployments/app.py).
-    NOTE: max_ongoing_requests bounds concurrent streams per replica; the backend's own queue limit
-    (QueueFullError → RESOURCE_EXHAUSTED) is the real admission control.
+
+class GenerationService:
+    """`pdserve.Generation`, one method per RPC (named as in the .proto), without Serve: what the
+    deployment below runs, and what tests drive in process with a stand-in context.
+
+    api_key: when set, both RPCs need metadata `authorization: Bearer <api_key>` (as HTTP's /v1);
+    Health answers without it too, but with its status only (as HTTP's /health).
     """
 
-    def __init__(self, backend_factory: BackendFactory):
-        state = ServingState(*backend_factory())
+    def __init__(self, state: ServingState, api_key: str | None = None):
         self.backend = state.backend
         self.model = ServedModel.of(state.model_name, state.tokenizer, state.max_model_len, state.vocab_size)
+        self.api_key = api_key
+
+    def _authorized(self, grpc_context: RayServegRPCContext) -> bool:
+        header = next((v for k, v in grpc_context.invocation_metadata() if k == "authorization"), None)
+        return bearer_matches(header if isinstance(header, str) else None, self.api_key)
 
     async def Generate(self, request: pdserve_pb2.GenerateRequest,
                        grpc_context: RayServegRPCContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         request_id = f"grpc-{uuid.uuid4().hex}"
         try:
-            prepared = prepare_request(request, self.model)
-            async for out in generate_stream(self.backend, self.model, request_id, prepared, request.priority):
+            if not self._authorized(grpc_context):
+                raise UNAUTHENTICATED
+            prepared = await prepare_request(request, self.model)
+            async for out in generate_stream(self.backend, self.model, request_id, prepared):
                 yield out
         except GRPCError as e:
-            # Serve keeps a code set on the context when the method raises (gRPCStatusError).
-            grpc_context.set_code(e.code)
-            grpc_context.set_details(e.message)
-            raise
+            raise _fail(grpc_context, e)
+        except Exception as e:  # noqa: BLE001 - a bug: the log gets the text, the client a generic status
+            logger.error("gRPC request %s failed", request_id, exc_info=e)
+            raise _fail(grpc_context, GRPCError(grpc.StatusCode.INTERNAL, f"internal error in request {request_id}; "
+                                                                          "the server log has the cause")) from None
 
     async def Health(self, request: pdserve_pb2.HealthRequest,
                      grpc_context: RayServegRPCContext) -> pdserve_pb2.HealthResponse:
         try:
             info = await self.backend.health()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the answer is "unhealthy", whatever broke
             info = {"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}
-        return pdserve_pb2.HealthResponse(status=str(info.get("status", "ok")), model=self.model.name,
+        status = str(info.get("status", "ok"))
+        if not self._authorized(grpc_context):
+            return pdserve_pb2.HealthResponse(status=status)
+        return pdserve_pb2.HealthResponse(status=status, model=self.model.name,
                                           details_json=json.dumps(info, default=str))
+
+
+@serve.deployment(max_ongoing_requests=256)
+class GRPCIngress(GenerationService):
+    """Serve deployment for `pdserve.Generation` (the methods are GenerationService's).
+
+    backend_factory: called once per replica; returns `ServingState(backend, tokenizer, model_name,
+    max_model_len[, vocab_size])` or the same tuple. Use `local_engine_factory(...)` for an in-replica
+    engine, or a factory that builds the router backend (deployments/app.py).
+    api_key: as GenerationService's (the server's `--api-key`).
+    NOTE: max_ongoing_requests bounds concurrent streams per replica; the backend's own queue limit
+    (QueueFullError → RESOURCE_EXHAUSTED) is the real admission control.
+    """
+
+    def __init__(self, backend_factory: BackendFactory, api_key: str | None = None):
+        super().__init__(ServingState(*backend_factory()), api_key)

@@ -6,7 +6,8 @@ the routes need lives in `app.state.pdserve`).
 
 Per request:  body (openai_protocol.py) → prepare.py: prompt token ids + SamplingParams
               → text_stream.TextStream over `backend.generate(...)` → http_stream.py: JSON or SSE.
-Errors answer as OpenAI error objects (http_errors.py); the API key is checked by http_auth.py.
+Errors answer as OpenAI error objects (http_errors.py); the body is read and checked by http_body.py;
+the API key is checked by http_auth.py.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from deployments.frontend.backend import GenerateBackend
+from deployments.frontend.auth import bearer_matches
 from deployments.frontend.http_auth import BearerAuth
-from deployments.frontend.http_errors import add_error_handlers, api_error, parse_body
+from deployments.frontend.http_body import MAX_BODY_BYTES, parse_body
+from deployments.frontend.http_errors import add_error_handlers, api_error
 from deployments.frontend.http_stream import ResponseOptions, respond
-from deployments.frontend.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from deployments.frontend.prepare import ServedModel, prepare
+from deployments.frontend.openai_protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
+from deployments.frontend.prepare import ServedModel, prepare_off_loop
 from deployments.frontend.text_stream import TextStream
 from engine import InvalidRequestError
 
@@ -40,6 +44,7 @@ class IngressState:
     # Longest wait for the first token before the request is dropped with 503 (None: no limit).
     max_queue_wait_s: float | None = None
     vocab_size: int | None = None  # the model's; None: the tokenizer's size (see ServedModel.of)
+    max_body_bytes: int = MAX_BODY_BYTES  # larger bodies get 413
     # Derived by `configure_openai_app` once tokenizer and max_model_len are known.
     served_model: ServedModel | None = None
 
@@ -57,7 +62,8 @@ def build_openai_app(backend: GenerateBackend | None = None, tokenizer: Any = No
 
     All arguments may be left out here and set later with `configure_openai_app` (e.g. in a Serve
     deployment's __init__); until backend, tokenizer and max_model_len are set, /v1 answers 503.
-    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`; /health stays open.
+    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`; /health stays open but
+        shows the backend's details only with the key (without it: just whether the server is up).
     vocab_size: prompt token ids must lie in [0, vocab_size); None: the tokenizer's size.
     """
     app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving with disaggregated prefill/decode")
@@ -99,12 +105,12 @@ def _state(request: Request) -> IngressState:
 
 # ---------------------------------------------------------------------- routes
 async def _completions(request: Request) -> Response:
-    body = await parse_body(request, CompletionRequest)
+    body = await parse_body(request, CompletionRequest, _state(request).max_body_bytes)
     return await _generate(request, body, chat=False)
 
 
 async def _chat_completions(request: Request) -> Response:
-    body = await parse_body(request, ChatCompletionRequest)
+    body = await parse_body(request, ChatCompletionRequest, _state(request).max_body_bytes)
     return await _generate(request, body, chat=True)
 
 
@@ -113,11 +119,13 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     backend, model = state.ready()
     try:
         model_name = model.check_name(body.model)
-        prompt_ids, params = prepare(model, body.prompt_input(), body.sampling_input())
+        prepared = await prepare_off_loop(model, body.prompt_input(), body.sampling_input(), body.priority or 0,
+                                          body.cache_salt)
     except InvalidRequestError as e:
         raise api_error(e) from None
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    stream = TextStream(backend, request_id, prompt_ids, params, body.priority, model.tokenizer)
+    stream = TextStream(backend, request_id, prepared.prompt_token_ids, prepared.params, prepared.priority,
+                        model.tokenizer, prepared.cache_salt)
     opts = ResponseOptions(model=model_name, chat=chat, streaming=bool(body.stream),
                            include_usage=body.include_usage_in_stream, max_queue_wait_s=state.max_queue_wait_s)
     return await respond(request, stream, opts)
@@ -130,12 +138,17 @@ async def _models(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
+    """Up or not for anyone (load balancers' probes carry no key); the backend's details (the router's
+    pools, queues, errors) only with the API key when one is set."""
     state = _state(request)
     if state.backend is None:
         return JSONResponse({"status": "starting"}, status_code=503)
     try:
         info = await state.backend.health()
-    except Exception as e:
-        return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
-    ok = info.get("status", "ok") == "ok"
-    return JSONResponse({"model": state.model_name, **info}, status_code=200 if ok else 503)
+    except Exception as e:  # noqa: BLE001 - the answer is "unhealthy", whatever broke
+        info = {"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}
+    status = str(info.get("status", "ok"))
+    code = 200 if status == "ok" else 503
+    if not bearer_matches(request.headers.get("authorization"), state.api_key):
+        return JSONResponse({"status": status}, status_code=code)
+    return JSONResponse({"model": state.model_name, **info, "status": status}, status_code=code)

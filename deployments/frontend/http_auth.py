@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import hmac
-
+from deployments.frontend.auth import bearer_matches
 from deployments.frontend.http_errors import error_response
 from deployments.frontend.openai_protocol import APIError
 
 
 class BearerAuth:
-    """ASGI middleware: checks the key on everything but /health (probes carry no key).
+    """ASGI middleware: checks the key on everything but /health (probes carry no key; /health shows
+    its details only with the key, see http_app._health).
 
     The key is read per request from `app.state.pdserve.api_key`, so `configure_openai_app` can set
     it after the app is built.
@@ -21,13 +21,10 @@ class BearerAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and not scope["path"].endswith("/health"):
             key = scope["app"].state.pdserve.api_key
-            if key:
-                header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-                scheme, _, token = header.partition(" ")
-                # NOTE: constant-time compare, so response timing does not leak the key.
-                if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-                    err = APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
-                                   "invalid_request_error", code="invalid_api_key")
-                    await error_response(err)(scope, receive, send)
-                    return
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not bearer_matches(header, key):
+                err = APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
+                               "invalid_request_error", code="invalid_api_key")
+                await error_response(err)(scope, receive, send)
+                return
         await self.app(scope, receive, send)

@@ -1,31 +1,28 @@
-"""HTTP errors as OpenAI error objects: the neutral errors' mapping, body parsing, exception handlers.
+"""HTTP errors as OpenAI error objects: the neutral errors' mapping and the exception handlers.
 
 Before the first token every error is a status code with `{"error": {...}}`; after it, the SSE
-stream reports it in-band (http_stream.py).
+stream reports it in-band (http_stream.py). A 5xx never carries exception text: the log does.
+The body's own errors (413, malformed JSON, unknown fields, ...) are http_body.py's.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.frontend.backend import QueueFullError
+from deployments.frontend.http_body import validation_error
 from deployments.frontend.openai_protocol import APIError
 from deployments.frontend.prepare import UnknownModelError
 from deployments.frontend.text_stream import GenerationFailed
 from engine import InvalidRequestError
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # What `api_error` maps: preparation errors, backend refusals, backend failures.
 NEUTRAL_ERRORS = (InvalidRequestError, QueueFullError, GenerationFailed)
@@ -41,34 +38,19 @@ def api_error(e: Exception, rename: dict[str, str] | None = None) -> APIError:
         return APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded",
                         headers={"Retry-After": str(max(1, math.ceil(e.retry_after_s)))})
     if isinstance(e, GenerationFailed):
-        return APIError(500, str(e), "server_error", code="generation_failed")
+        return generation_failed(e)
     raise TypeError(f"not a neutral error: {type(e).__name__}")
+
+
+def generation_failed(e: GenerationFailed) -> APIError:
+    """500 for a request the backend failed. NOTE: the backend's reason can hold internal exception
+    text (a worker's traceback summary): it goes to the log (text_stream.py), never to the client."""
+    return APIError(500, f"generation failed for request {e.request_id}; the server log has the cause",
+                    "server_error", code="generation_failed")
 
 
 def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.to_response().model_dump(), status_code=err.status_code, headers=err.headers)
-
-
-def _validation_error(errors: list[dict]) -> APIError:
-    """One 400 for pydantic errors: `param` is the first offending top-level field."""
-    first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                    for e in errors[:5])
-    return APIError.bad_request(msg or "invalid request body", loc[0] if loc else None, "invalid_value")
-
-
-async def parse_body(request: Request, model: type[T]) -> T:
-    """The body as `model`, whatever the Content-Type (curl -d sends form-urlencoded)."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError.bad_request(f"malformed JSON body: {e}", None, "invalid_json") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise _validation_error(e.errors(include_url=False)) from None
 
 
 async def _api_error_handler(request: Request, exc: APIError) -> JSONResponse:
@@ -79,7 +61,7 @@ async def _validation_error_handler(request: Request, exc: RequestValidationErro
     errors = list(exc.errors())
     if errors and errors[0].get("type") == "json_invalid":
         return error_response(APIError.bad_request("malformed JSON body", None, "invalid_json"))
-    return error_response(_validation_error(errors))
+    return error_response(validation_error(errors))
 
 
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -88,8 +70,10 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
 
 
 async def _unexpected_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unexpected error on %s", request.url.path, exc_info=exc)
-    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error"))
+    # NOTE: the exception's text stays in the log; the client learns only that it was not its fault.
+    logger.error("unexpected error on %s", request.url.path, exc_info=exc)
+    return error_response(APIError(500, "internal server error; the server log has the cause", "server_error",
+                                   code="internal_error"))
 
 
 def add_error_handlers(app: FastAPI) -> None:

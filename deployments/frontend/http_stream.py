@@ -17,11 +17,11 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from deployments.frontend.http_errors import NEUTRAL_ERRORS, api_error
+from deployments.frontend.http_errors import NEUTRAL_ERRORS, api_error, generation_failed
 from deployments.frontend.openai_protocol import (
     APIError, AssistantMessage, ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice,
     ChatCompletionStreamResponse, CompletionChoice, CompletionResponse, CompletionStreamResponse, DeltaMessage,
-    ErrorInfo, ErrorResponse, UsageInfo)
+    UsageInfo)
 from deployments.frontend.text_stream import GenerationFailed, TextStream
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ async def respond(request: Request, stream: TextStream, opts: ResponseOptions) -
         raise
     if opts.streaming:
         body = _chat_chunks(stream, opts) if opts.chat else _completion_chunks(stream, opts)
-        return _SSEResponse(_sse_body(stream, body), headers=_SSE_HEADERS)
+        return _SSEResponse(stream, _sse_body(stream, body), headers=_SSE_HEADERS)
     try:
         text = await _unless_disconnected(request, _collect(stream))
     except _ClientGone:
@@ -137,16 +137,25 @@ async def _collect(stream: TextStream) -> str:
 
 # ---------------------------------------------------------------------- server-sent events
 class _SSEResponse(StreamingResponse):
-    """StreamingResponse that always closes its generator, so a vanished client aborts the request."""
+    """StreamingResponse that always closes its generator and its stream, so a vanished client aborts
+    the request. NOTE: the stream is closed here too: closing a generator that never started (the
+    client left before the first chunk was sent) does not run its `finally`."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, stream: TextStream, content: AsyncIterator[str], headers: dict[str, str]):
+        super().__init__(content, headers=headers)
+        self.stream = stream
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
+                try:
+                    await self.body_iterator.aclose()
+                finally:
+                    await self.stream.close()
 
 
 def _sse(payload: Any) -> str:
@@ -159,11 +168,11 @@ async def _sse_body(stream: TextStream, events: AsyncIterator[str]) -> AsyncIter
         try:
             async for event in events:
                 yield event
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the status is sent: report in-band, never the exception's text
             if not isinstance(e, GenerationFailed):
                 logger.exception("stream %s failed", stream.request_id)
-            message = str(e) if isinstance(e, GenerationFailed) else f"generation failed: {e}"
-            yield _sse(ErrorResponse(error=ErrorInfo(message=message, type="server_error", code="generation_failed")))
+                e = GenerationFailed("unexpected error", stream.request_id)
+            yield _sse(generation_failed(e).to_response())
         yield _DONE
     finally:
         with anyio.CancelScope(shield=True):

@@ -1,10 +1,10 @@
 """The OpenAI HTTP schema (pydantic v2): requests, responses, stream chunks, error objects.
 
 Pydantic lives only here, at the HTTP edge. A request's `prompt_input()` and `sampling_input()`
-check what only the OpenAI schema has (n, echo, batches, content parts, ...) and hand the rest to
+check what only the OpenAI schema has (n, batches, content parts, ...) and hand the rest to
 the protocol-neutral preparation (deployments/frontend/prepare.py, which also holds the max_tokens
-defaults). Every user error becomes an `APIError` that the HTTP app answers with
-`{"error": {"message", "type", "param", "code"}}`.
+defaults). Which top-level fields are taken at all: openai_fields.py. Every user error becomes an
+`APIError` that the HTTP app answers with `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -60,16 +60,23 @@ class APIError(Exception):
 
 # ---------------------------------------------------------------------- requests
 class _Request(BaseModel):
-    # Unknown fields (presence_penalty, logit_bias, ...) are ignored, as vLLM does.
-    model_config = ConfigDict(extra="ignore")
+    # JSON types exactly (true is not 1, "5" is not 5, 5.0 is not an integer) and no unknown fields.
+    # A top-level field the model lacks never gets here: openai_fields.py refuses it or, when it is a
+    # known option sent with its "off" value, drops it.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: Literal[False] = False  # vLLM's; not implemented, so only "off" is taken
+
+
+# OpenAI's documented limits for `metadata` (labels only: nothing here reads or stores them).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 
 
 class _SamplingFields(_Request):
-    """Fields both endpoints share."""
+    """Fields both endpoints share; null means "not sent" for every one of them."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -82,10 +89,12 @@ class _SamplingFields(_Request):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    priority: int = 0  # lower runs first (vLLM's convention)
+    user: str | None = None  # OpenAI's end-user label; changes nothing, kept nowhere
+    metadata: dict[str, str] | None = None  # labels; changes nothing, kept nowhere
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    priority: int | None = None  # lower runs first (vLLM's convention)
+    cache_salt: str | None = None  # vLLM's: prefix-cache entries are shared only within one salt
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -93,15 +102,21 @@ class _SamplingFields(_Request):
 
     def _check_common(self) -> None:
         if self.n is not None and self.n != 1:
-            raise APIError.bad_request(f"n: only n=1 is supported, got {self.n}", "n", "unsupported_value")
+            raise APIError.bad_request("n: only n=1 is supported", "n", "unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise APIError.bad_request("stream_options: only allowed when stream is true", "stream_options")
+        meta = self.metadata or {}
+        if len(meta) > MAX_METADATA_PAIRS or any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS
+                                                 for k, v in meta.items()):
+            raise APIError.bad_request(f"metadata: at most {MAX_METADATA_PAIRS} pairs, keys of at most "
+                                       f"{MAX_METADATA_KEY_CHARS} and values of at most {MAX_METADATA_VALUE_CHARS} "
+                                       "characters", "metadata", "invalid_value")
 
     def _sampling_input(self, max_tokens: int | None, max_tokens_field: str) -> SamplingInput:
         self._check_common()
         return SamplingInput(max_tokens=max_tokens, max_tokens_field=max_tokens_field, temperature=self.temperature,
                              top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop,
-                             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+                             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=bool(self.ignore_eos),
                              min_tokens=self.min_tokens)
 
 
@@ -109,9 +124,6 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. One prompt: a string or a list of token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt; a one-element batch is unwrapped. Raises APIError for batches and empties."""
@@ -124,9 +136,6 @@ class CompletionRequest(_SamplingFields):
             p = p[0]
         if not p:
             raise APIError.bad_request("prompt: must not be empty", "prompt", "invalid_value")
-        for name, bad in (("echo", self.echo), ("logprobs", self.logprobs is not None), ("suffix", self.suffix)):
-            if bad:
-                raise APIError.bad_request(f"{name}: not supported", name, "unsupported_parameter")
         return p
 
     def prompt_input(self) -> PromptInput:
@@ -145,17 +154,28 @@ class TextContentPart(_Request):
 class ChatMessage(_Request):
     role: str
     content: str | list[TextContentPart | dict[str, Any]] | None = None
+    # What OpenAI's SDKs send back with an assistant turn; taken only when empty (no tools here).
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
 
     def template_content(self, index: int) -> str:
+        for name in ("name", "tool_calls", "tool_call_id", "function_call", "refusal", "audio"):
+            if getattr(self, name) not in (None, []):
+                raise APIError.bad_request(f"messages[{index}].{name}: not supported", "messages",
+                                           "unsupported_parameter")
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         texts = []
         for part in self.content:
             if not isinstance(part, TextContentPart):
-                kind = part.get("type", "?") if isinstance(part, dict) else "?"
-                raise APIError.bad_request(f"messages[{index}].content: content parts of type {kind!r} are "
-                                           "not supported; send text", "messages", "unsupported_value")
+                kind = part.get("type", "?")
+                why = ("a text part has exactly `type` and `text`" if kind == "text" else
+                       f"content parts of type {str(kind)[:32]!r} are not supported; send text")
+                raise APIError.bad_request(f"messages[{index}].content: {why}", "messages", "unsupported_value")
             texts.append(part.text)
         return "".join(texts)
 
@@ -165,26 +185,24 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    tools: list[dict[str, Any]] | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
         if not self.messages:
             raise APIError.bad_request("messages: must not be empty", "messages", "invalid_value")
-        if self.logprobs:
-            raise APIError.bad_request("logprobs: not supported", "logprobs", "unsupported_parameter")
-        if self.tools:
-            raise APIError.bad_request("tools: not supported", "tools", "unsupported_parameter")
         return [{"role": m.role, "content": m.template_content(i)} for i, m in enumerate(self.messages)]
 
     def prompt_input(self) -> PromptInput:
         return PromptInput(PromptKind.CHAT, self.template_messages(), "messages")
 
     def sampling_input(self) -> SamplingInput:
-        # max_completion_tokens is OpenAI's newer name; it wins when both are given.
-        if self.max_completion_tokens is not None:
-            return self._sampling_input(self.max_completion_tokens, "max_completion_tokens")
-        return self._sampling_input(self.max_tokens, "max_tokens")
+        # max_completion_tokens is OpenAI's newer name for max_tokens; two different values are refused.
+        new, old = self.max_completion_tokens, self.max_tokens
+        if new is not None and old is not None and new != old:
+            raise APIError.bad_request("max_tokens: differs from max_completion_tokens; send one of them",
+                                       "max_tokens", "invalid_value")
+        if new is not None:
+            return self._sampling_input(new, "max_completion_tokens")
+        return self._sampling_input(old, "max_tokens")
 
 
 # ---------------------------------------------------------------------- responses

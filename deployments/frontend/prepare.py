@@ -9,6 +9,11 @@ answer: HTTP an OpenAI error object (400; `PromptTooLongError` → code `context
 `UnknownModelError` → 404), gRPC INVALID_ARGUMENT (NOT_FOUND for the model). Errors name the field
 as the client spelled it (`messages`, `max_completion_tokens`, `prompt_token_ids`, ...).
 
+Bounds: the sampling values' are SamplingParams' own (engine/sampling_params.py), checked once
+there; what only a door knows is checked here: token ids against the served vocabulary (prompt and
+`stop_token_ids`), text free of lone surrogates, `priority` within PRIORITY_RANGE, `cache_salt`
+(the engine's `check_cache_salt`: 1..1024 characters). docs/api_bounds.md lists them all.
+
 Defaults for an omitted `max_tokens` follow vLLM: DEFAULT_MAX_TOKENS for a text or token-id prompt
 (OpenAI's documented default for the legacy completions endpoint) and "the rest of the context"
 (`max_model_len - prompt tokens`) for chat. An explicit value that does not fit the context is an
@@ -17,14 +22,18 @@ error (`PromptTooLongError`), as with OpenAI and vLLM, rather than being silentl
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from engine import InvalidRequestError, PromptTooLongError, SamplingParams
+from engine.llm_engine import check_cache_salt
 
 # Omitted max_tokens for a text or token-id prompt; chat gets the rest of the context instead.
 DEFAULT_MAX_TOKENS = 16
+# `priority` (lower runs first) is a 32-bit integer at both doors: gRPC's field is an int32.
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)
 
 
 class UnknownModelError(InvalidRequestError):
@@ -52,7 +61,8 @@ class ServedModel:
     def check_name(self, requested: str | None) -> str:
         """The served name; raises `UnknownModelError` if `requested` is given and names another model."""
         if requested is not None and requested != self.name:
-            raise UnknownModelError("model", f"`{requested}` does not exist; this server serves `{self.name}`")
+            shown = requested if len(requested) <= 64 else requested[:64] + "..."  # never echo a megabyte
+            raise UnknownModelError("model", f"`{shown}` does not exist; this server serves `{self.name}`")
         return self.name
 
 
@@ -88,14 +98,34 @@ class SamplingInput:
 
 
 class PreparedRequest(NamedTuple):
+    """A request every check has passed: what the backend's `generate` takes."""
+
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower runs first
+    cache_salt: str | None = None  # prefix-cache entries are shared only between requests with the same salt
 
 
-def prepare(model: ServedModel, prompt: PromptInput, sampling: SamplingInput) -> PreparedRequest:
+def prepare(model: ServedModel, prompt: PromptInput, sampling: SamplingInput, priority: int = 0,
+            cache_salt: str | None = None) -> PreparedRequest:
     """Validate and convert one request; raises `InvalidRequestError` (or `PromptTooLongError`)."""
+    if not isinstance(priority, int) or isinstance(priority, bool) or \
+            not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise InvalidRequestError("priority", "must be an integer in [-2**31, 2**31 - 1]")
+    check_cache_salt(cache_salt)  # the engine's bound, checked again by the engine that runs it
+    if cache_salt is not None:
+        check_text("cache_salt", cache_salt)
     prompt_ids = prompt_token_ids(model, prompt)
-    max_tokens = _max_tokens(model, prompt, len(prompt_ids), sampling)
+    params = _sampling_params(model, prompt, len(prompt_ids), sampling)
+    return PreparedRequest(prompt_ids, params, priority, cache_salt)
+
+
+def _sampling_params(model: ServedModel, prompt: PromptInput, num_prompt_tokens: int,
+                     sampling: SamplingInput) -> SamplingParams:
+    max_tokens = _max_tokens(model, prompt, num_prompt_tokens, sampling)
+    for stop in [sampling.stop] if isinstance(sampling.stop, str) else sampling.stop or []:
+        if isinstance(stop, str):
+            check_text("stop", stop)
     try:
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -108,27 +138,42 @@ def prepare(model: ServedModel, prompt: PromptInput, sampling: SamplingInput) ->
             ignore_eos=sampling.ignore_eos,
             min_tokens=0 if sampling.min_tokens is None else sampling.min_tokens,
         )
+        params.check_token_ids(model.vocab_size)
     except InvalidRequestError as e:
         if e.field != "max_tokens":
             raise
         raise type(e)(sampling.max_tokens_field, e.message) from None
-    return PreparedRequest(prompt_ids, params)
+    return params
+
+
+def check_text(field_name: str, text: str) -> None:
+    """Text must be valid Unicode: a lone surrogate (JSON's "\\ud800") cannot be tokenized or sent back."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError(field_name, "must be valid Unicode text (it holds a lone surrogate)") from None
 
 
 def prompt_token_ids(model: ServedModel, prompt: PromptInput) -> list[int]:
     """The prompt's token ids, never empty; raises `InvalidRequestError` naming `prompt.field`."""
     tokenizer = model.tokenizer
     if prompt.kind is PromptKind.TEXT:
+        check_text(prompt.field, prompt.value)
         ids = list(tokenizer.encode(prompt.value, add_special_tokens=False))
     elif prompt.kind is PromptKind.TOKEN_IDS:
         ids = list(prompt.value)
-        if any(t < 0 or t >= model.vocab_size for t in ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < model.vocab_size for t in ids):
             raise InvalidRequestError(prompt.field, f"token ids must be in [0, {model.vocab_size})")
     else:
+        for message in prompt.value:
+            for text in message.values():
+                if isinstance(text, str):
+                    check_text(prompt.field, text)
         try:
             out = tokenizer.apply_chat_template(prompt.value, add_generation_prompt=True, tokenize=True)
         except Exception as e:  # jinja's raise_exception (roles must alternate, ...), no template
-            raise InvalidRequestError(prompt.field, f"the chat template rejected them: {e}") from None
+            raise InvalidRequestError(prompt.field, f"the chat template rejected them: {str(e)[:200]}") from None
         ids = list(out if isinstance(out, list) else out["input_ids"])
     if not ids:
         raise InvalidRequestError(prompt.field, "encodes to no tokens")
@@ -150,3 +195,18 @@ def _max_tokens(model: ServedModel, prompt: PromptInput, num_prompt_tokens: int,
                                  f"{limit} tokens and the prompt has {num_prompt_tokens}, so at most "
                                  f"{remaining} can be generated")
     return sampling.max_tokens
+
+
+# Prompts longer than this (characters, or ids) are prepared on a worker thread.
+INLINE_PREPARE_CHARS = 16384
+
+
+async def prepare_off_loop(model: ServedModel, prompt: PromptInput, sampling: SamplingInput, priority: int = 0,
+                           cache_salt: str | None = None) -> PreparedRequest:
+    """`prepare`, on a worker thread when the prompt is long. NOTE: tokenizing a few MiB takes seconds;
+    the tokenizer releases the GIL, so the event loop keeps serving every other stream meanwhile."""
+    value = prompt.value
+    size = sum(len(str(m.get("content") or "")) for m in value) if prompt.kind is PromptKind.CHAT else len(value)
+    if size <= INLINE_PREPARE_CHARS:
+        return prepare(model, prompt, sampling, priority, cache_salt)
+    return await asyncio.to_thread(prepare, model, prompt, sampling, priority, cache_salt)

@@ -11,6 +11,10 @@ in flight for all of its streams, not one per request: with many concurrent stre
 request per step cost more CPU than the tokens themselves. Reads are acknowledged: an event stays in
 the hub until its consumer's next poll says it got it, so a poll whose caller went away (a cancelled
 task, a closed event loop) loses nothing.
+
+Nothing stays behind: a stream leaves when its consumer acknowledges its last event, when the
+consumer closes it (client gone, refused at submit), or, finished but never acknowledged (the
+consumer stopped polling), `done_ttl_s` after its last event.
 """
 
 from __future__ import annotations
@@ -36,15 +40,32 @@ class _Stream:
         self.early: list[StreamEvent] = []  # events that arrived before the ones they follow
 
 
+# A finished stream nobody acknowledged is dropped this long after its last event.
+DONE_TTL_S = 60.0
+_SWEEP_EVERY_S = 1.0
+
+
 @ray.remote(num_cpus=0, max_restarts=0)
 class StreamHub:
-    def __init__(self) -> None:
+    def __init__(self, done_ttl_s: float = DONE_TTL_S) -> None:
         self._streams: dict[str, _Stream] = {}
         self._cond = asyncio.Condition()
         self._seq = 0
+        self._done_ttl_s = done_ttl_s
+        self._last_sweep = time.monotonic()
 
     async def open(self, request_id: str, owner: str = "") -> None:
+        self._sweep()
         self._streams[request_id] = _Stream(owner)
+
+    def _sweep(self) -> None:
+        """Drop finished streams whose consumer stopped polling before acknowledging them."""
+        now = time.monotonic()
+        if now - self._last_sweep < min(_SWEEP_EVERY_S, self._done_ttl_s):
+            return
+        self._last_sweep = now
+        for rid in [rid for rid, s in self._streams.items() if s.done and now - s.touched > self._done_ttl_s]:
+            del self._streams[rid]
 
     async def push(self, events: list[StreamEvent]) -> None:
         """Called fire-and-forget by workers, once per step with all of that step's events."""
@@ -91,6 +112,7 @@ class StreamHub:
         something: ({request_id: events}, the last sequence number in it). Passing `ack` says every
         event up to it was received: those are dropped, and finished streams with them."""
         deadline = time.monotonic() + timeout_s
+        self._sweep()
         async with self._cond:
             while True:
                 out: dict[str, list[StreamEvent]] = {}
@@ -120,4 +142,6 @@ class StreamHub:
         self._streams.pop(request_id, None)
 
     async def num_streams(self) -> int:
+        """Streams held (a leak check: 0 once every request ended and its consumer caught up)."""
+        self._sweep()
         return len(self._streams)

@@ -11,12 +11,15 @@ The doors only format chunks (SSE / JSON / protobuf) and map errors.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator, NamedTuple
 
 import anyio
 
-from deployments.frontend.backend import GenerateBackend, TokenDelta
-from engine import SamplingParams
+from deployments.frontend.backend import GenerateBackend, QueueFullError, TokenDelta
+from engine import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class IncrementalDetokenizer:
@@ -96,11 +99,13 @@ class StopStringFilter:
 
 
 class GenerationFailed(Exception):
-    """The backend failed the request (or ended it without output); the message says why."""
+    """The backend failed the request (or ended it without output). `reason` is the backend's and may
+    hold internal text: doors log it and answer a generic message (never the reason) to the client."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, request_id: str = ""):
         super().__init__(f"generation failed: {reason}")
         self.reason = reason
+        self.request_id = request_id
 
 
 class TextChunk(NamedTuple):
@@ -119,7 +124,7 @@ class TextStream:
     """One request's generation as text chunks plus usage counts; see the module docstring."""
 
     def __init__(self, backend: GenerateBackend, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, priority: int, tokenizer: Any):
+                 params: SamplingParams, priority: int, tokenizer: Any, cache_salt: str | None = None):
         self.backend = backend
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -128,28 +133,33 @@ class TextStream:
         self.finish_reason: str | None = None
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(params.stop)
-        self._gen = backend.generate(request_id, prompt_token_ids, params, priority)
+        # NOTE: `cache_salt` only when set, so a backend without salts still serves unsalted requests.
+        salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        self._gen = backend.generate(request_id, prompt_token_ids, params, priority, **salt)
         self._first: TokenDelta | None = None
-        self._done = False  # the backend has nothing more for this request
+        # Nothing to abort until `start` enters the backend's generate (it may submit at once), and
+        # nothing after the backend ended or refused the request.
+        self._done = True
 
     async def start(self) -> None:
         """Wait for the first event. Raises what the backend raises before accepting the request
         (`QueueFullError`, `InvalidRequestError`) and `GenerationFailed` if it fails at once."""
+        self._done = False  # from here on a cancellation (client gone during submit) must abort
         try:
             self._first = await self._gen.__anext__()
         except StopAsyncIteration:
             self._done = True
-            raise GenerationFailed("the backend ended the request without output") from None
-        except Exception:
-            # NOTE: rejected (queue full, invalid): never accepted, nothing to abort. A cancellation
-            # (client gone, queue wait over) is not caught: close() must still abort.
+            raise self._failed("the backend ended the request without output") from None
+        except (QueueFullError, InvalidRequestError):
+            # NOTE: refused: never accepted, nothing to abort. Any other failure or a cancellation
+            # (client gone during submit, queue wait over) leaves the request to close()'s abort.
             self._done = True
             raise
         first = self._first
         self.num_cached_tokens = first.num_cached_tokens
         if first.finished and first.finish_reason == "error" and not first.token_ids:
             self._done = True
-            raise GenerationFailed(first.error or "the backend reported an error")
+            raise self._failed(first.error or "the backend reported an error")
 
     async def chunks(self) -> AsyncIterator[TextChunk]:
         """Chunks with text or tokens; the last one has finish_reason. A failure after the first chunk
@@ -173,7 +183,7 @@ class TextStream:
                 if delta.finish_reason == "error":
                     if out or delta.token_ids:
                         yield TextChunk(out, delta.token_ids, None)
-                    raise GenerationFailed(delta.error or "the backend reported an error")
+                    raise self._failed(delta.error or "the backend reported an error")
                 self.finish_reason = delta.finish_reason or "stop"
                 yield TextChunk(out, delta.token_ids, self.finish_reason)
                 return
@@ -183,18 +193,27 @@ class TextStream:
                 delta = await self._gen.__anext__()
             except StopAsyncIteration:
                 self._done = True
-                raise GenerationFailed("the backend stream ended before the request finished") from None
+                raise self._failed("the backend stream ended before the request finished") from None
 
     async def close(self) -> None:
         """Abort the backend request unless it finished; safe to call from a cancelled task."""
         with anyio.CancelScope(shield=True):
-            await self._abort()
-            await self._gen.aclose()
+            try:
+                await self._abort()
+            finally:
+                await self._gen.aclose()
+
+    def _failed(self, reason: str) -> GenerationFailed:
+        logger.warning("request %s failed: %s", self.request_id, reason)
+        return GenerationFailed(reason, self.request_id)
 
     async def _abort(self) -> None:
         if not self._done:
             self._done = True
-            await self.backend.abort(self.request_id)
+            try:
+                await self.backend.abort(self.request_id)
+            except Exception:  # noqa: BLE001 - e.g. the router is gone: nothing left to stop, keep closing
+                logger.warning("aborting request %s failed", self.request_id, exc_info=True)
 
     @property
     def usage(self) -> Usage:

@@ -123,10 +123,22 @@ def test_stop_string_cuts_text(stub):
     (dict(prompt="hi", max_tokens=4, min_tokens=8), grpc.StatusCode.INVALID_ARGUMENT, "min_tokens"),
     (dict(prompt_token_ids=[10**7]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
     (dict(prompt="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model"),
+    (dict(prompt="hi", temperature=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    (dict(prompt="hi", top_k=2**20 + 1), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    (dict(prompt="hi", stop=["s"] * 17), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    (dict(prompt="hi", stop_token_ids=[10**7]), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
+    (dict(prompt="hi", cache_salt=""), grpc.StatusCode.INVALID_ARGUMENT, "cache_salt"),
+    (dict(prompt_token_ids=[-5]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+    ("UNKNOWN_FIELD", grpc.StatusCode.INVALID_ARGUMENT, "request"),
 ])
 def test_bad_input_status(stub, fields, code, field):
+    if fields == "UNKNOWN_FIELD":  # what a client built from a newer .proto sends: field 99, varint 1
+        request = pdserve_pb2.GenerateRequest.FromString(
+            pdserve_pb2.GenerateRequest(prompt="hi").SerializeToString() + bytes([0x98, 0x06, 0x01]))
+    else:
+        request = pdserve_pb2.GenerateRequest(**fields)
     with pytest.raises(grpc.RpcError) as info:
-        _generate(stub, **fields)
+        list(stub.Generate(request, metadata=METADATA, timeout=120))
     assert info.value.code() == code
     assert info.value.details().startswith(f"{field}: "), info.value.details()
 
@@ -152,3 +164,42 @@ def test_queue_full_then_cancel_frees_the_slot(stub):
     assert health.status == "ok" and health.model == MODEL
     chunks = _generate(stub, prompt="hi", max_tokens=2, temperature=0, ignore_eos=True)
     assert chunks[-1].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------- the API key
+AUTH_APP = "pdserve-grpc-auth-test"
+API_KEY = "grpc-sekret"
+
+
+@pytest.fixture(scope="module")
+def auth_stub(stub, tiny_model_dir):
+    """A second app on the same proxy: a tiny random model, with an API key."""
+    factory = local_engine_factory(model_name=MODEL, model=tiny_model_dir("llama"), num_threads=1,
+                                   kv_cache_memory_mb=16)
+    serve.run(GRPCIngress.options(ray_actor_options={"num_cpus": 0}).bind(factory, api_key=API_KEY), name=AUTH_APP,
+              route_prefix=f"/{AUTH_APP}")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            stub.Health(pdserve_pb2.HealthRequest(), metadata=(("application", AUTH_APP),), timeout=10)
+            return stub
+        except grpc.RpcError as e:
+            assert time.monotonic() < deadline, f"the gRPC auth app never became reachable: {e.code()} {e.details()}"
+            time.sleep(0.5)
+
+
+def test_api_key_is_required_as_over_http(auth_stub):
+    app = ("application", AUTH_APP)
+    request = pdserve_pb2.GenerateRequest(prompt="hi", max_tokens=2, ignore_eos=True)
+    for extra in ((), (("authorization", "Bearer wrong"),), (("authorization", API_KEY),)):
+        with pytest.raises(grpc.RpcError) as info:
+            list(auth_stub.Generate(request, metadata=(app, *extra), timeout=60))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+    key = ("authorization", f"Bearer {API_KEY}")
+    chunks = list(auth_stub.Generate(request, metadata=(app, key), timeout=60))
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 2
+    # Health: the status for anyone, the details only with the key.
+    bare = auth_stub.Health(pdserve_pb2.HealthRequest(), metadata=(app,), timeout=10)
+    assert (bare.status, bare.model, bare.details_json) == ("ok", "", "")
+    full = auth_stub.Health(pdserve_pb2.HealthRequest(), metadata=(app, key), timeout=10)
+    assert full.status == "ok" and full.model == MODEL and json.loads(full.details_json)["num_requests"] == 0

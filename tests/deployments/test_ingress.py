@@ -261,6 +261,87 @@ BAD_INPUTS = [
     ("malformed JSON", "completions", b'{"prompt": "hi",', 400, None, "invalid_json"),
     ("not an object", "completions", b'[1, 2]', 400, None, None),
     ("unknown model", "completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model", "model_not_found"),
+    # Nothing is accepted and ignored: unknown fields, and known options this server lacks unless "off".
+    ("unknown field", "completions", {"prompt": "hi", "max_token": 5}, 400, "max_token", "unknown_parameter"),
+    ("presence_penalty", "completions", {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty",
+     "unsupported_parameter"),
+    ("frequency_penalty", "chat/completions", {"messages": FRANCE, "frequency_penalty": -1}, 400,
+     "frequency_penalty", "unsupported_parameter"),
+    ("logit_bias", "chat/completions", {"messages": FRANCE, "logit_bias": {"504": -100}}, 400, "logit_bias",
+     "unsupported_parameter"),
+    ("response_format json", "chat/completions", {"messages": FRANCE, "response_format": {"type": "json_object"}},
+     400, "response_format", "unsupported_parameter"),
+    ("chat logprobs", "chat/completions", {"messages": FRANCE, "logprobs": True}, 400, "logprobs",
+     "unsupported_parameter"),
+    ("completion logprobs", "completions", {"prompt": "hi", "logprobs": 0}, 400, "logprobs", "unsupported_parameter"),
+    ("top_logprobs", "chat/completions", {"messages": FRANCE, "top_logprobs": 2}, 400, "top_logprobs",
+     "unsupported_parameter"),
+    ("echo", "completions", {"prompt": "hi", "echo": True}, 400, "echo", "unsupported_parameter"),
+    ("suffix", "completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix", "unsupported_parameter"),
+    ("best_of", "completions", {"prompt": "hi", "best_of": 2}, 400, "best_of", "unsupported_parameter"),
+    ("tools", "chat/completions", {"messages": FRANCE, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", "unsupported_parameter"),
+    ("tool_choice", "chat/completions", {"messages": FRANCE, "tool_choice": "auto"}, 400, "tool_choice",
+     "unsupported_parameter"),
+    ("min_p", "completions", {"prompt": "hi", "min_p": 0.1}, 400, "min_p", "unsupported_parameter"),
+    ("repetition_penalty", "completions", {"prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty",
+     "unsupported_parameter"),
+    ("guided_json", "chat/completions", {"messages": FRANCE, "guided_json": {"type": "object"}}, 400, "guided_json",
+     "unsupported_parameter"),
+    ("penalty true is not 0", "completions", {"prompt": "hi", "presence_penalty": False}, 400, "presence_penalty",
+     "unsupported_parameter"),
+    ("message name", "chat/completions", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, 400,
+     "messages", "unsupported_parameter"),
+    ("message extra field", "chat/completions", {"messages": [{"role": "user", "content": "hi", "x": 1}]}, 400,
+     "messages", None),
+    ("stream_options extra", "completions", {"prompt": "hi", "stream": True, "stream_options": {"x": 1}}, 400,
+     "stream_options", None),
+    ("max_tokens differs", "chat/completions", {"messages": FRANCE, "max_tokens": 5, "max_completion_tokens": 6},
+     400, "max_tokens", None),
+    # Numbers: JSON types exactly, finite, in range.
+    ("NaN", "completions", b'{"prompt": "hi", "temperature": NaN}', 400, None, "invalid_json"),
+    ("Infinity", "completions", b'{"prompt": "hi", "top_p": -Infinity}', 400, None, "invalid_json"),
+    ("1e999 is inf", "completions", {"prompt": "hi", "temperature": float("inf")}, 400, None, "invalid_json"),
+    ("1e999 literal", "completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature", None),
+    ("temperature>100", "completions", {"prompt": "hi", "temperature": 100.5}, 400, "temperature", None),
+    ("top_k too big", "completions", {"prompt": "hi", "top_k": 2**20 + 1}, 400, "top_k", None),
+    ("top_k<-1", "completions", {"prompt": "hi", "top_k": -2}, 400, "top_k", None),
+    ("seed 2**64", "completions", {"prompt": "hi", "seed": 2**64}, 400, "seed", None),
+    ("seed below -2**63", "completions", {"prompt": "hi", "seed": -2**63 - 1}, 400, "seed", None),
+    ("integer too long to parse", "completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None,
+     "invalid_json"),
+    ("huge max_tokens", "completions", {"prompt": "hi", "max_tokens": 10**300}, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("bool as int", "completions", {"prompt": "hi", "max_tokens": True}, 400, "max_tokens", None),
+    ("float as int", "completions", {"prompt": "hi", "max_tokens": 5.0}, 400, "max_tokens", None),
+    ("string as float", "completions", {"prompt": "hi", "temperature": "0.5"}, 400, "temperature", None),
+    ("n=0", "completions", {"prompt": "hi", "n": 0}, 400, "n", None),
+    ("min_tokens<0", "completions", {"prompt": "hi", "min_tokens": -1}, 400, "min_tokens", None),
+    ("priority 2**31", "completions", {"prompt": "hi", "priority": 2**31}, 400, "priority", None),
+    ("priority below -2**31", "completions", {"prompt": "hi", "priority": -2**31 - 1}, 400, "priority", None),
+    # Lists and strings: bounded.
+    ("17 stop strings", "completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "stop", None),
+    ("long stop string", "completions", {"prompt": "hi", "stop": "x" * 513}, 400, "stop", None),
+    ("empty stop string", "completions", {"prompt": "hi", "stop": [""]}, 400, "stop", None),
+    ("stop_token_ids outside the vocabulary", "completions", {"prompt": "hi", "stop_token_ids": [10**6]}, 400,
+     "stop_token_ids", None),
+    ("negative stop_token_ids", "completions", {"prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids", None),
+    ("65 stop_token_ids", "completions", {"prompt": "hi", "stop_token_ids": list(range(65))}, 400, "stop_token_ids",
+     None),
+    ("negative prompt id", "completions", {"prompt": [5, -1]}, 400, "prompt", None),
+    ("empty cache_salt", "completions", {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt", None),
+    ("long cache_salt", "completions", {"prompt": "hi", "cache_salt": "s" * 1025}, 400, "cache_salt", None),
+    ("17 metadata pairs", "completions", {"prompt": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, 400,
+     "metadata", None),
+    # Bodies that are not a JSON object of valid Unicode.
+    ("deep nesting", "completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "invalid_json"),
+    ("invalid UTF-8", "completions", b'{"prompt": "\xff\xfe"}', 400, None, "invalid_json"),
+    ("lone surrogate", "completions", b'{"prompt": "a\\ud800b"}', 400, "prompt", None),
+    ("lone surrogate in chat", "chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages", None),
+    ("string body", "completions", b'"hi"', 400, None, "invalid_json"),
+    ("null body", "completions", b"null", 400, None, "invalid_json"),
+    ("empty body", "completions", b"", 400, None, "invalid_json"),
 ]
 
 
@@ -304,6 +385,93 @@ def test_models_and_health(engine, client, server):
     assert [m.id for m in models.data] == [MODEL]
     h = httpx.get(f"{server.url}/health", timeout=10)
     assert h.status_code == 200 and h.json()["status"] == "ok"
+    assert h.json()["model"] == MODEL and "num_requests" in h.json()  # no key configured: details for all
+
+
+def test_off_values_of_unimplemented_options_are_accepted(engine, backend, server):
+    """What SDKs send as defaults (penalties 0, no logprobs, n=1, text format, ...) changes nothing."""
+    base = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    offs = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "logprobs": None, "echo": False,
+            "suffix": None, "best_of": 1, "n": 1, "user": "u-1", "metadata": {"team": "a"}, "min_p": 0,
+            "repetition_penalty": 1.0, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+            "stream": False, "seed": None, "stop": None, "guided_json": None, "skip_special_tokens": True}
+    plain = httpx.post(f"{server.url}/v1/completions", json=base, timeout=60)
+    full = httpx.post(f"{server.url}/v1/completions", json={**base, **offs}, timeout=60)
+    assert plain.status_code == full.status_code == 200, full.text
+    assert full.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "max_completion_tokens": 4, "max_tokens": 4, "logprobs": False, "top_logprobs": 0,
+        "parallel_tool_calls": True, "stream_options": None, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": "Hello!", "tool_calls": [], "refusal": None, "function_call": None},
+            {"role": "user", "content": "Bye", "name": None}]})
+    assert chat.status_code == 200, chat.text
+    wait_drained(backend)
+
+
+def test_body_size_is_bounded(engine, server):
+    """413 from the declared length, and from the bytes read when no length is declared (chunked)."""
+    big = json.dumps({"model": MODEL, "prompt": "x" * (4 * 1024 * 1024)}).encode()
+    r = httpx.post(f"{server.url}/v1/completions", content=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+
+    def chunked():
+        for i in range(0, len(big), 1 << 16):
+            yield big[i:i + (1 << 16)]
+
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=chunked(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
+
+
+def test_a_long_prompt_does_not_stall_other_streams(engine, backend, server):
+    """A 4 MiB prompt is tokenized off the event loop (it takes seconds): a stream running meanwhile
+    keeps its pace, and the long prompt gets its 400."""
+    body = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 200, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    arrivals: list[float] = []
+    answer: list[tuple[float, float, httpx.Response]] = []
+
+    def post_big() -> None:
+        t0 = time.monotonic()
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "hello world, this is text " * 160_000})
+        answer.append((t0, time.monotonic(), r))
+
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        arrivals.append(time.monotonic())
+        big = threading.Thread(target=post_big)
+        big.start()
+        for line in lines:
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic())
+        big.join(60)
+    t0, t1, r = answer[0]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert arrivals[-1] > t1, "the stream should outlast the long prompt's answer"
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f}s (the long prompt took {t1 - t0:.2f}s)"
+    wait_drained(backend)
+
+
+def test_cache_salt_separates_prefix_cache_entries(engine, backend, client):
+    """Same prompt: a hit only under the same salt (or, unsalted, with the unsalted)."""
+    ids = [int(t) for t in torch.randint(1000, 40000, (70,), generator=torch.Generator().manual_seed(4321))]
+    bs = engine.config.block_size
+
+    def cached(salt: str | None) -> int:
+        extra = {**EOS_OFF, **({} if salt is None else {"cache_salt": salt})}
+        r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    full_hit = (len(ids) - 1) // bs * bs
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-a") == cached("tenant-b") == cached(None) == full_hit
+    wait_drained(backend)
 
 
 def test_unknown_route_is_openai_404(server):
@@ -325,7 +493,12 @@ def test_api_key(auth_server, backend):
         r = httpx.post(f"{auth_server.url}/v1/completions", json=body, headers=headers, timeout=10)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{auth_server.url}/v1/models", timeout=10).status_code == 401
-    assert httpx.get(f"{auth_server.url}/health", timeout=10).status_code == 200
+    # /health: up or not for anyone, the backend's details only with the key.
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        h = httpx.get(f"{auth_server.url}/health", headers=headers, timeout=10)
+        assert h.status_code == 200 and h.json() == {"status": "ok"}
+    h = httpx.get(f"{auth_server.url}/health", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert h.status_code == 200 and h.json()["status"] == "ok" and "num_requests" in h.json()
     with pytest.raises(openai.AuthenticationError):
         auth_server.client("wrong").models.list()
     r = auth_server.client(API_KEY).completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body=EOS_OFF)
@@ -372,7 +545,7 @@ def test_queue_full_is_429_with_retry_after(engine):
         srv.stop()
 
 
-def test_backend_error_midstream_is_sse_error_then_done(engine):
+def test_backend_error_midstream_is_sse_error_then_done(engine, caplog):
     hello = engine.tokenizer.encode("Hello world", add_special_tokens=False)
     fake = _FakeBackend(deltas=[TokenDelta(hello), TokenDelta([], True, "error", "decode worker died")])
     srv = _fake_server(engine, fake)
@@ -383,11 +556,16 @@ def test_backend_error_midstream_is_sse_error_then_done(engine):
             events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[0])["choices"][0]["text"] == "Hello world"
-        assert "decode worker died" in json.loads(events[-2])["error"]["message"]
-        with pytest.raises(openai.APIError, match="decode worker died"):
+        # The backend's reason (internal text) goes to the log; the client gets a generic message.
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "generation_failed" and err["type"] == "server_error"
+        assert "decode worker died" not in err["message"] and "the server log has the cause" in err["message"]
+        with pytest.raises(openai.APIError, match="generation failed for request cmpl-"):
             list(srv.client().completions.create(model=MODEL, prompt="hi", stream=True))
         r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert r.json()["error"]["code"] == "generation_failed" and "decode worker died" not in r.text
+        assert "decode worker died" in caplog.text  # ... where the operator finds it
     finally:
         srv.stop()
 
@@ -473,6 +651,24 @@ class _NeverStartsBackend(_FakeBackend):
     async def generate(self, request_id, prompt_token_ids, params, priority=0) -> AsyncIterator[TokenDelta]:
         await asyncio.sleep(3600)
         yield TokenDelta([1])
+
+
+class _BrokenBackend(_FakeBackend):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0) -> AsyncIterator[TokenDelta]:
+        raise RuntimeError("secret internal detail at 0xdeadbeef")
+        yield TokenDelta([1])
+
+
+def test_unexpected_error_is_a_generic_500(engine):
+    srv = _fake_server(engine, _BrokenBackend())
+    try:
+        for stream in (False, True):
+            r = httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": stream},
+                           timeout=10)
+            assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+            assert "secret" not in r.text and "RuntimeError" not in r.text
+    finally:
+        srv.stop()
 
 
 def test_queue_wait_limit_is_503_and_aborts(engine):

@@ -139,3 +139,133 @@ def test_text_stream_finished_and_failed(tokenizer):
         _run(tokenizer, [TokenDelta(ids[:1]), TokenDelta([], True, "error", "worker died")], stop=[])
     with pytest.raises(GenerationFailed, match="ended before the request finished"):
         _run(tokenizer, [TokenDelta(ids[:1])], stop=[])
+
+
+# ---------------------------------------------------------------------- bounds only a door knows
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(priority=2**31), "priority"),
+    (dict(priority=-2**31 - 1), "priority"),
+    (dict(priority=True), "priority"),
+    (dict(cache_salt=""), "cache_salt"),
+    (dict(cache_salt="s" * 1025), "cache_salt"),
+    (dict(cache_salt="\ud800"), "cache_salt"),
+    (dict(sampling=SamplingInput(stop_token_ids=[49152])), "stop_token_ids"),
+    (dict(sampling=SamplingInput(stop=["ok", "a\udfffb"])), "stop"),
+    (dict(prompt=PromptInput(PromptKind.TEXT, "hi \ud83d")), "prompt"),
+    (dict(prompt=PromptInput(PromptKind.CHAT, [{"role": "user", "content": "\udc00"}], "messages")), "messages"),
+    (dict(prompt=PromptInput(PromptKind.TOKEN_IDS, [1, True])), "prompt"),
+])
+def test_door_bounds(model, kwargs, field):
+    prompt = kwargs.pop("prompt", PromptInput(PromptKind.TEXT, "hi"))
+    sampling = kwargs.pop("sampling", SamplingInput())
+    with pytest.raises(InvalidRequestError) as e:
+        prepare(model, prompt, sampling, **kwargs)
+    assert e.value.field == field, e.value
+
+
+def test_priority_and_cache_salt_are_carried(model):
+    prompt = PromptInput(PromptKind.TEXT, "hi")
+    edge = prepare(model, prompt, SamplingInput(stop_token_ids=[len(model.tokenizer) - 1]), priority=-2**31,
+                   cache_salt="s" * 1024)
+    assert (edge.priority, edge.cache_salt) == (-2**31, "s" * 1024)
+    assert prepare(model, prompt, SamplingInput()).cache_salt is None
+
+
+def test_long_prompts_are_prepared_off_the_event_loop_with_the_same_result(model):
+    from deployments.frontend import prepare as prepare_module
+
+    long_text = "word " * (prepare_module.INLINE_PREPARE_CHARS // 5 + 1)
+    for text in ("short", long_text):
+        prompt = PromptInput(PromptKind.TEXT, text)
+        sampling = SamplingInput(max_tokens=2)
+        if len(text) > MAX_MODEL_LEN:
+            with pytest.raises(PromptTooLongError):
+                asyncio.run(prepare_module.prepare_off_loop(model, prompt, sampling))
+        else:
+            assert asyncio.run(prepare_module.prepare_off_loop(model, prompt, sampling)) == prepare(model, prompt,
+                                                                                                  sampling)
+
+
+# ---------------------------------------------------------------------- nothing left running
+class _SubmitBackend(_ScriptedBackend):
+    """`generate` awaits a slow "submit" first, as the router backend does; `abort` may fail."""
+
+    def __init__(self, deltas, submit_s: float = 10.0, abort_fails: bool = False):
+        super().__init__(deltas)
+        self.submit_s = submit_s
+        self.abort_fails = abort_fails
+        self.salt: str | None = None
+
+    async def generate(self, request_id, prompt_token_ids, params, priority=0, cache_salt=None):
+        self.salt = cache_salt
+        await asyncio.sleep(self.submit_s)
+        for d in self.deltas:
+            yield d
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+        if self.abort_fails:
+            raise RuntimeError("router gone")
+
+
+def _stream(backend, salt=None) -> TextStream:
+    return TextStream(backend, "r1", [1, 2, 3], SamplingParams(max_tokens=5), 0, _NoTokenizer(), salt)
+
+
+class _NoTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_cancelled_during_submit_aborts_once():
+    backend = _SubmitBackend([TokenDelta([1], True, "length")])
+
+    async def go():
+        stream = _stream(backend, salt="t1")
+        task = asyncio.create_task(stream.start())
+        await asyncio.sleep(0.05)  # inside the backend's submit
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.close()
+        await stream.close()  # idempotent
+
+    asyncio.run(go())
+    assert backend.aborted == ["r1"] and backend.salt == "t1"
+
+
+def test_never_started_or_refused_streams_abort_nothing():
+    from deployments.frontend.backend import QueueFullError
+
+    backend = _SubmitBackend([], submit_s=0)
+
+    async def go():
+        await _stream(backend).close()  # built, never started: nothing was submitted
+
+        class Refusing(_SubmitBackend):
+            async def generate(self, *a, **k):
+                raise QueueFullError("busy")
+                yield
+
+        refusing = Refusing([])
+        stream = _stream(refusing)
+        with pytest.raises(QueueFullError):
+            await stream.start()
+        await stream.close()
+        return refusing
+
+    refusing = asyncio.run(go())
+    assert backend.aborted == [] and refusing.aborted == []
+
+
+def test_a_failing_abort_still_closes_the_stream():
+    backend = _SubmitBackend([TokenDelta([1]), TokenDelta([2])], submit_s=0, abort_fails=True)
+
+    async def go():
+        stream = _stream(backend)
+        await stream.start()
+        await stream.close()  # the abort raises inside; close does not
+        return stream
+
+    asyncio.run(go())
+    assert backend.aborted == ["r1"]

@@ -3,6 +3,8 @@ consumers isolated, events put in offset order."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -41,3 +43,23 @@ def test_unacknowledged_events_are_served_again_and_consumers_are_isolated(hub):
     # The other consumer's stream was never touched by c1's polls.
     other, _ = ray.get(hub.next_all.remote("c2", 0, 5.0))
     assert _ids(other) == {"x": [9]}
+
+
+def test_nothing_stays_behind():
+    """Closed streams ignore late pushes; a finished stream nobody acknowledges is dropped after
+    `done_ttl_s`; an unfinished one stays (it may be queued for long) until it is closed."""
+    hub = StreamHub.remote(done_ttl_s=0.3)
+    ray.get([hub.open.remote(rid, "c") for rid in ("done", "live", "closed")])
+    ray.get(hub.close.remote("closed"))
+    ray.get(hub.push.remote([StreamEvent("done", 0, [1], finished=True, finish_reason="length"),
+                             StreamEvent("live", 0, [2]), StreamEvent("closed", 0, [3])]))
+    assert ray.get(hub.num_streams.remote()) == 2
+    assert ray.get(hub.delivered.remote("closed")) is None
+    # The consumer never polls again (its client went away, its poller ended).
+    deadline = time.monotonic() + 10
+    while ray.get(hub.num_streams.remote()) != 1:
+        assert time.monotonic() < deadline, "the finished, unacknowledged stream was never dropped"
+        time.sleep(0.2)
+    assert ray.get(hub.delivered.remote("live")) == [2]
+    ray.get(hub.close.remote("live"))
+    assert ray.get(hub.num_streams.remote()) == 0

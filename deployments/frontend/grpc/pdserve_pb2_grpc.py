@@ -57,7 +57,7 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Health(self, request, context):
-        """The backend's health as the HTTP /health endpoint reports it.
+        """The backend's health as the HTTP /health endpoint reports it (details only with the API key).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
