@@ -110,7 +110,7 @@ def build_grpc_app(args: dict | None = None) -> serve.Application:
     cfg = ServeConfig.from_dict(args or {})
     # NOTE: 0 CPUs like the HTTP ingress: the workers hold the CPUs, the ingress only relays.
     return GRPCIngress.options(ray_actor_options={"num_cpus": 0}, **cfg.ingress_options()).bind(
-        functools.partial(_router_serving_state, cfg.to_dict()))
+        functools.partial(_router_serving_state, cfg.to_dict()), api_key=cfg.api_key)
 
 
 def build_app(args: dict | None = None) -> serve.Application:

@@ -27,6 +27,7 @@ class _Backup(NamedTuple):
     handle: KVHandle  # the pinned blocks' lease
     request_id: str
     token_ids: list[int]  # the prompt, up to the end of the copied blocks
+    cache_salt: str | None = None
 
 
 @ray.remote(max_concurrency=32)
@@ -71,7 +72,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                 self.engine.free_blocks(block_ids)
                 return Admission(True)
             self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token], req.params,
-                                              block_ids, handle.num_tokens, priority=req.priority)
+                                              block_ids, handle.num_tokens, priority=req.priority,
+                                              cache_salt=req.cache_salt)
             self.requests[req.request_id] = req
         self._wake.set()
         return Admission(True)
@@ -97,13 +99,14 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         with self.lock:
             if fetched:
                 bs = self.engine.block_manager.block_size
-                self.engine.cache_blocks(req.prompt_token_ids[:len(fetched) * bs], fetched)
+                self.engine.cache_blocks(req.prompt_token_ids[:len(fetched) * bs], fetched, cache_salt=req.cache_salt)
             if rid in self._aborted:  # aborted while its prefix was on the way
                 self._aborted.discard(rid)
                 return Admission(True)
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
-                                        arrival_time=engine_arrival(req), urgent=req.offset > 0)
+                                        arrival_time=engine_arrival(req), urgent=req.offset > 0,
+                                        cache_salt=req.cache_salt)
             except ValueError as exc:
                 logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
                 return Admission(False, str(exc) or type(exc).__name__)
@@ -119,7 +122,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         timeout_s = self.config.kv_transfer_timeout_s
         t0 = time.perf_counter()
         try:
-            handle = ray.get(src.actor.kv_lease_prefix.remote(req.request_id, req.prompt_token_ids, src.num_tokens),
+            handle = ray.get(src.actor.kv_lease_prefix.remote(req.request_id, req.prompt_token_ids, src.num_tokens,
+                                                              req.cache_salt),
                              timeout=timeout_s)
             if handle is None:
                 return []
@@ -169,7 +173,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             return None
         handle = self._grant_pinned(f"{req.request_id}@kv-backup-{next(self._lease_ids)}", block_ids)
         end = (target.first_block + len(block_ids)) * self.engine.block_manager.block_size
-        return _Backup(target, handle, req.request_id, req.prompt_token_ids[:end])
+        return _Backup(target, handle, req.request_id, req.prompt_token_ids[:end], req.cache_salt)
 
     def report(self) -> DecodeReport:
         with self.lock:
@@ -201,7 +205,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self._push(events, reqs)
         for b in backups:
             if b is not None:
-                b.target.actor.kv_backup.remote(b.handle, self._me, b.request_id, b.token_ids, b.target.first_block)
+                b.target.actor.kv_backup.remote(b.handle, self._me, b.request_id, b.token_ids, b.target.first_block,
+                                                b.cache_salt)
         report.finished_ids = finished
         report.batch_size = stats.num_seqs
         report.step_s = stats.duration_s

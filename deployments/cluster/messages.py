@@ -43,6 +43,8 @@ class GenRequest:
     num_original_prompt_tokens: int = 0
     arrival_time: float = 0.0
     attempt: int = 0
+    # Prefix-cache entries (and cache-aware placement) are shared only among requests of the same salt.
+    cache_salt: str | None = None
 
 
 @dataclass(slots=True)

@@ -58,15 +58,15 @@ class Placement:
         self.max_num_seqs = config.engine.max_num_seqs
 
     # ------------------------------------------------------------------ the prefix caches' picture
-    def hashes(self, t: Tracked) -> list[int]:
+    def hashes(self, t: Tracked) -> list[bytes]:
         """`t`'s prompt's block hashes ([] without prefix-aware routing), computed once per prompt."""
         if not self.config.routes_by_prefix:
             return []
         if t.hashes is None or t.hashes_of is not t.req:  # NOTE: colocated, `admit` asks at every report
-            t.hashes, t.hashes_of = block_hashes(t.req.prompt_token_ids, self.block_size), t.req
+            t.hashes, t.hashes_of = block_hashes(t.req.prompt_token_ids, self.block_size, t.req.cache_salt), t.req
         return t.hashes
 
-    def cached(self, w: WorkerView, hashes: list[int], num_tokens: int) -> int:
+    def cached(self, w: WorkerView, hashes: list[bytes], num_tokens: int) -> int:
         """Prompt tokens `w` likely has in its prefix cache (0 without prefix-aware routing)."""
         return self.state.prefix_index.cached_tokens(w.worker_id, hashes, num_tokens) if hashes else 0
 
@@ -320,7 +320,7 @@ class Placement:
             fetch = PrefixFetch(src.worker_id, n - own)
         return [self.run_whole(t, dest, need, n - own, fetch)]
 
-    def _decode_options(self, n: int, need: int, hashes: list[int], live_prefill: list[WorkerView]) -> list[_Option]:
+    def _decode_options(self, n: int, need: int, hashes: list[bytes], live_prefill: list[WorkerView]) -> list[_Option]:
         """A live decode worker recomputes the sequence in its running batch (`run_whole`): its queued
         prompt tokens (moved sequences, local prefills) plus the whole sequence, less what it has
         cached. Or the same, but it first pulls the part a prefill worker has in its prefix cache (the
@@ -338,7 +338,7 @@ class Placement:
                 options.append(_Option(backlog + n - fc, 0, w, n - fc, p))
         return options
 
-    def _prefill_options(self, t: Tracked, n: int, hashes: list[int], live_prefill: list[WorkerView],
+    def _prefill_options(self, t: Tracked, n: int, hashes: list[bytes], live_prefill: list[WorkerView],
                          moving: Moves) -> list[_Option]:
         """A prefill worker, then KV transfer: the prompt tokens queued there that arrived before this
         request (a moved request keeps its arrival time, so it queues ahead of newer prompts), or at

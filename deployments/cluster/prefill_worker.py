@@ -45,7 +45,8 @@ class PrefillWorker(KVExportMixin, EngineWorker):
         self.kv_importer.close()
         self.shutdown()
 
-    def kv_backup(self, handle: KVHandle, exporter: Any, request_id: str, token_ids: list[int], first_block: int) -> int:
+    def kv_backup(self, handle: KVHandle, exporter: Any, request_id: str, token_ids: list[int], first_block: int,
+                  cache_salt: str | None = None) -> int:
         """Pull a copy of prompt KV that decode worker `exporter` computed (a local prefill, a moved
         sequence) into this worker's prefix cache: `handle` holds the full blocks `first_block`... of
         `token_ids`. If that decode worker dies, its sequence is recomputed here from the end of these
@@ -57,16 +58,17 @@ class PrefillWorker(KVExportMixin, EngineWorker):
             logger.info("%s: KV backup of %s not taken: %r", self.worker_id, request_id, exc)
             return 0
         with self.lock:
-            n = self.engine.cache_blocks(token_ids, block_ids, first_block)
+            n = self.engine.cache_blocks(token_ids, block_ids, first_block, cache_salt=cache_salt)
         self.router.on_kv_backup.remote(self.worker_id, request_id, len(token_ids), handle.num_tokens)
         return n
 
-    def kv_lease_prefix(self, request_id: str, token_ids: list[int], max_tokens: int) -> KVHandle | None:
+    def kv_lease_prefix(self, request_id: str, token_ids: list[int], max_tokens: int,
+                        cache_salt: str | None = None) -> KVHandle | None:
         """Lease the cached blocks of the longest cached prefix of `token_ids` (at most `max_tokens`
         tokens) for a decode worker to pull: a moved sequence resumes there and recomputes only the
         rest (`DecodeWorker.resume`). Does not wait for the step under way. None if nothing is cached."""
         try:
-            block_ids = self._on_blocks(lambda: self.engine.take_cached_blocks(token_ids, max_tokens))
+            block_ids = self._on_blocks(lambda: self.engine.take_cached_blocks(token_ids, max_tokens, cache_salt))
         except TimeoutError:
             return None
         if not block_ids:
@@ -79,7 +81,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                 self._forget(req.request_id)
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         prefill_only=True, arrival_time=engine_arrival(req),
-                                        urgent=req.offset > 0)
+                                        urgent=req.offset > 0, cache_salt=req.cache_salt)
                 self.requests[req.request_id] = req
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])

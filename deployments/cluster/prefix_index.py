@@ -15,15 +15,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.request import extend_block_keys
 
-def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """One hash per full block, each covering every token before it too (a block only matches at the
-    same position after the same prefix)."""
-    out, h = [], 0
-    for i in range(len(token_ids) // block_size):
-        h = hash((h, tuple(token_ids[i * block_size:(i + 1) * block_size])))
-        out.append(h)
-    return out
+
+def block_hashes(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    """One key per full block, each covering every token before it too (a block only matches at the
+    same position after the same prefix, under the same salt): the engine's own prefix-cache keys,
+    SHA-256 chains (a crafted prompt cannot collide with another tenant's blocks)."""
+    return extend_block_keys([], token_ids, len(token_ids) // block_size, block_size, cache_salt)
 
 
 class PrefixIndex:
@@ -40,7 +39,7 @@ class PrefixIndex:
         self._blocks.pop(worker_id, None)
         self._capacity.pop(worker_id, None)
 
-    def record(self, worker_id: str, hashes: list[int]) -> None:
+    def record(self, worker_id: str, hashes: list[bytes]) -> None:
         """`worker_id` computed (or is about to compute) a prompt with these full-block hashes."""
         blocks = self._blocks.get(worker_id)
         if blocks is None:
@@ -52,7 +51,7 @@ class PrefixIndex:
         while len(blocks) > cap:
             blocks.popitem(last=False)
 
-    def cached_tokens(self, worker_id: str, hashes: list[int], num_tokens: int) -> int:
+    def cached_tokens(self, worker_id: str, hashes: list[bytes], num_tokens: int) -> int:
         """Prompt tokens of a `num_tokens`-token prompt that `worker_id` likely has cached: its leading
         blocks found there, never the last token."""
         blocks = self._blocks.get(worker_id)

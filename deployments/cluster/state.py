@@ -43,7 +43,7 @@ class Tracked:
     handle: KVHandle | None = None
     prefill_worker_id: str | None = None
     queued_tokens: int = 0  # what it added to its prefill worker's queue: its prompt less the cached part
-    hashes: list[int] | None = None  # its prompt's block hashes (prefix-aware placement), computed once
+    hashes: list[bytes] | None = None  # its prompt's block hashes (prefix-aware placement), computed once
     hashes_of: GenRequest | None = None  # ... for this req (a requeue replaces req and its prompt)
 
 

@@ -69,7 +69,12 @@ class RouterBackend:
         await self.hub.open.remote(req.request_id, self._consumer)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = queue
-        res: SubmitResult = await self.router.submit.remote(req)
+        try:
+            res: SubmitResult = await self.router.submit.remote(req)
+        except BaseException:  # the client left (cancelled) or the router failed during the submit
+            self._queues.pop(req.request_id, None)
+            self.hub.close.remote(req.request_id)
+            raise
         if not res.accepted:
             self._queues.pop(req.request_id, None)
             await self.hub.close.remote(req.request_id)
@@ -77,11 +82,11 @@ class RouterBackend:
         return queue
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
         timer = metrics.RequestTimer()
         queue = await self._submit(GenRequest(request_id, list(prompt_token_ids), params, self.hub_id, self.hub,
                                               priority=priority, num_original_prompt_tokens=len(prompt_token_ids),
-                                              arrival_time=time.time()))
+                                              arrival_time=time.time(), cache_salt=cache_salt))
         finished = False
         finish_reason = None
         num_cached: int | None = None  # the first prefill's prefix-cache hits (the first event with tokens)
@@ -123,8 +128,11 @@ class RouterBackend:
             timer.finish(finish_reason, len(prompt_token_ids), num_cached or 0)
             if not finished:
                 await self.abort(request_id)
+            else:  # NOTE: the hub keeps a finished stream until acknowledged; close it now, not at the next poll
+                self.hub.close.remote(request_id)
 
     async def abort(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
         self.router.abort.remote(request_id)
         self.hub.close.remote(request_id)
 

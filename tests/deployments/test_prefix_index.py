@@ -52,3 +52,12 @@ def test_least_recently_recorded_blocks_go_first_beyond_capacity():
     assert idx.cached_tokens("p0", block_hashes(old, BS), 13) == 0
     idx.record("p0", block_hashes(old, BS)[:1])  # used again: now the newest
     assert idx.cached_tokens("p0", block_hashes(old, BS), 13) == 4
+
+
+def test_block_hashes_are_sha256_and_separate_tenants_by_salt():
+    a = list(range(40))
+    keys = block_hashes(a, BS)
+    assert all(isinstance(k, bytes) and len(k) == 32 for k in keys)
+    assert block_hashes(a, BS, "tenant-a") != keys
+    assert block_hashes(a, BS, "tenant-a") == block_hashes(a, BS, "tenant-a")
+    assert not set(block_hashes(a, BS, "tenant-a")) & set(block_hashes(a, BS, "tenant-b"))

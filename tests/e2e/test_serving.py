@@ -135,6 +135,26 @@ def test_repeated_prompts_go_where_their_prefix_is_cached(server):
     wait_no_leaks(router, timeout_s=20)
 
 
+def test_cache_salt_keeps_tenants_apart_through_the_pools(server):
+    """A salted prompt hits the prefix cache only for requests with the same salt (prefill and decode
+    pools, the router's prefix index): the same tokens come back either way."""
+    import torch
+
+    url, router, _ = server
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    prompt = [int(t) for t in torch.randint(1000, 40000, (130,), generator=torch.Generator().manual_seed(7))]
+
+    def send(salt: str):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                         extra_body={"ignore_eos": True, "cache_salt": salt})
+
+    first, same, other = send("tenant-a"), send("tenant-a"), send("tenant-b")
+    assert same.usage.prompt_tokens_details.cached_tokens == (len(prompt) - 1) // 16 * 16
+    assert (other.usage.prompt_tokens_details.cached_tokens or 0) == 0
+    assert first.choices[0].text == same.choices[0].text == other.choices[0].text
+    wait_no_leaks(router, timeout_s=20)
+
+
 @pytest.mark.parametrize("body,status,param", [
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
