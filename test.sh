@@ -5,7 +5,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
-if [ $# -eq 0 ]; then set -- -m "not slow and not gpu"; fi
+if [ $# -eq 0 ]; then set -- -m "not slow and not gpu and not multinode"; fi
 set +e
 "$ROOT/.venv/bin/python" -m pytest -q -ra "$@"
 rc=$?
