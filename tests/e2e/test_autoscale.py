@@ -66,8 +66,12 @@ def test_placement_and_prefill_burst_scales_up_and_down(fake_cluster):
     stats = ray.get(router.stats.remote())
     ups = [d for d in stats["decisions"] if d["pool"] == "prefill" and d["action"] == "scale_up"]
     assert ups and ups[0]["to"] == 2, stats["decisions"]
-    new = [w for w in stats["prefill"].values() if w["created_at"] > t0]
-    assert new and all(w["node_id"] == prefill_node for w in new)
+    # The burst can end before the new worker has loaded its model (a loaded 2-core host): wait for it.
+    def new_workers():
+        return [w for w in ray.get(router.stats.remote())["prefill"].values() if w["created_at"] > t0]
+    new = wait_for(new_workers, lambda ws: ws and all(w["ready"] for w in ws), timeout_s=180,
+                   what="the scaled-up prefill worker ready")
+    assert all(w["node_id"] == prefill_node for w in new)
     if new[0]["ready_at"] and new[0]["ready_at"] < t_done - 6.0:
         # It joined while the burst still queued on the first worker: queued prompts moved to it.
         assert stats["counters"]["rebalanced"] > 0, (stats["counters"], new[0]["ready_at"] - t0, t_done - t0)
