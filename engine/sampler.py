@@ -41,6 +41,7 @@ def _sample_row(row: torch.Tensor, req: Request) -> int:
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens above it already reach top_p (the top one always stays).
         drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop[0] = False  # the top token always stays: a top_p that rounds to 0 in fp32 must not empty the row
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
     # NOTE: per-request generators live on the CPU, so seeded draws match on any device.

@@ -152,3 +152,12 @@ def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu():
     assert EngineConfig().dtype == "float32"
     assert EngineConfig(device="cuda").dtype == "bfloat16"  # nothing loads: no GPU needed
     assert EngineConfig(device="cuda", dtype="float32").dtype == "float32"
+
+
+def test_the_smallest_top_p_keeps_the_top_token(llm):
+    """top_p = 5e-324 is valid (in (0, 1]) but rounds to 0 in fp32: it must sample the top token,
+    not fail the request."""
+    greedy = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    tiny = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=6, temperature=1.0, top_p=5e-324, seed=1,
+                                                     ignore_eos=True))[0]
+    assert tiny.finish_reason == "length" and tiny.token_ids == greedy.token_ids
