@@ -3,7 +3,8 @@
 from engine.block_manager import BlockManager, OutOfBlocksError
 from engine.config import EngineConfig
 from engine.errors import EngineConfigError, InvalidRequestError, PromptTooLongError
-from engine.llm_engine import LLM, LLMEngine, StepStats
+from engine.llm_engine import LLMEngine, StepStats
+from engine.offline import LLM
 from engine.request import RequestOutput, RequestStatus
 from engine.sampling_params import SamplingParams
 

@@ -50,6 +50,9 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

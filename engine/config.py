@@ -16,6 +16,9 @@ BatchingPolicy = Literal["static", "dynamic", "continuous"]
 BATCHING_POLICIES: tuple[str, ...] = ("static", "dynamic", "continuous")
 # Element types the KV cache can hold; "auto" is the model's dtype.
 KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "fp8_e5m2")
+# How decode steps guess tokens to verify (engine.spec): none, prompt lookup, or suffix decoding.
+SpeculativeMethod = Literal["off", "ngram", "suffix"]
+SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram", "suffix")
 
 
 def setting(default: Any = None, help_text: str = "", *, doc: str = "", default_doc: str = "", cli: bool = True,
@@ -86,6 +89,22 @@ class EngineConfig:
                                 cli=False)
     num_threads: int | None = setting(None, "torch intra-op threads of this engine", default_doc="torch's")
     seed: int = setting(0, "seeds the requests that ask for sampling without a seed", cli=False)
+    speculative_method: SpeculativeMethod = setting(
+        "off", "speculative decoding: off, ngram (prompt lookup) or suffix (suffix decoding over this request "
+               "and recent outputs); drafts are verified in one forward pass",
+        doc="A decoding sequence carries up to `num_speculative_tokens` guessed tokens into a step; the model "
+            "checks them all at once and keeps the longest run it agrees with, plus one token of its own. "
+            "Greedy output is token for token the same as without it; sampled output has the same "
+            "distribution (rejection sampling), though not the same draws for a given seed. Pays off where "
+            "the output copies its input (edits, extraction, summaries) and on small batches; requests opt "
+            "out with `SamplingParams(speculative=False)`")
+    num_speculative_tokens: int = setting(4, "most draft tokens per sequence and step")
+    speculative_adaptive: bool = setting(
+        True, "choose the drafts per step from measured step costs and each sequence's acceptance (off: "
+              "always num_speculative_tokens where the proposer has them)",
+        doc="Each step weighs the tokens the drafts are expected to add (from each sequence's recent "
+            "acceptance) against what the extra tokens cost (a running fit of this engine's step time on "
+            "its token count), so speculation fades out as the batch grows and the step turns compute-bound")
     cache_dir: str | None = setting(None, "where converted GGUF weights are cached ($PDSERVE_CACHE_DIR too)",
                                     default_doc="~/.cache/pdserve", cli=False)
 
@@ -107,6 +126,11 @@ class EngineConfig:
             object.__setattr__(self, "dtype", "bfloat16" if str(self.device).startswith("cuda") else "float32")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise EngineConfigError(f"dtype={self.dtype!r}: choose auto, float32, bfloat16 or float16")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise EngineConfigError(f"speculative_method={self.speculative_method!r}: choose one of "
+                                    f"{', '.join(SPECULATIVE_METHODS)}")
+        if isinstance(self.num_speculative_tokens, bool) or not 1 <= self.num_speculative_tokens <= 64:
+            raise EngineConfigError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
 

@@ -1,4 +1,4 @@
-"""The engine loop (`LLMEngine`: add_request / step / abort) and the offline API (`LLM.generate`)."""
+"""The engine loop (`LLMEngine`: add_request / step / abort); the offline API is `engine.offline.LLM`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
-
 import torch
 
 from engine.block_manager import BlockManager
@@ -18,8 +16,10 @@ from engine.model_loader import load_model_and_tokenizer
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, extend_block_keys
 from engine.sampler import SampleResult, sample
+from engine.stop_strings import hit_stop_string
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engine.spec.speculator import Speculator, SpecStats
 
 logger = logging.getLogger(__name__)
 MAX_CACHE_SALT_CHARS = 1024
@@ -42,6 +42,8 @@ class StepStats:
     num_preempted: int = 0
     num_cached_tokens: int = 0  # prompt tokens requests admitted in this step took from the prefix cache
     duration_s: float = 0.0
+    num_draft_tokens: int = 0  # speculative drafts verified (counted in num_decode_tokens too)
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 class LLMEngine:
@@ -85,6 +87,8 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._seed_counter = itertools.count(config.seed * 1_000_003)
         self.last_step = StepStats()
+        self._step_accepted = 0  # drafts accepted in the step being postprocessed
+        self.speculator = Speculator(config) if config.speculative_method != "off" else None
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -147,7 +151,20 @@ class LLMEngine:
         """Drop a request wherever it is and free its blocks. Returns False if unknown."""
         req = self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
+        if req is not None:
+            self._ended(req)
         return req is not None
+
+    def _ended(self, req: Request) -> None:
+        """`req` left the engine (finished, failed or aborted; not prefilled for export)."""
+        if self.speculator is not None:
+            self.speculator.finish(req)
+
+    def spec_stats(self) -> SpecStats:
+        """Speculative decoding's counters since the engine started (zeros when it is off)."""
+        if self.speculator is None:
+            return SpecStats(self.config.speculative_method)
+        return replace(self.speculator.stats)
 
     # ------------------------------------------------------------------ disaggregation hooks
     def release_prefilled(self, request_id: str) -> bool:
@@ -258,43 +275,82 @@ class LLMEngine:
         and no block-manager state (a worker lets a narrow block-manager call run meanwhile)."""
         t0 = time.perf_counter()
         cached_before = self.scheduler.num_cached_tokens
+        if self.speculator is not None:
+            s = self.scheduler
+            admitting = bool(s.waiting) and len(s.running) < self.config.max_num_seqs
+            self.speculator.propose(s.running, self.max_model_len, admitting)
+        t_sched = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.empty:
             self.last_step = StepStats()
             return []
         with forward or contextlib.nullcontext():
             logits = self.runner.run(sched)
+        self._step_accepted = 0
         outputs = self._postprocess(sched, logits)
+        duration = time.perf_counter() - t0
+        decode = [c for c in sched.chunks if c.num_new_tokens == 1 or c.num_spec]
+        num_decode = sum(c.num_new_tokens for c in decode)
+        # NOTE: the cost model learns from decode-only steps: drafts are decode tokens, and a prompt
+        # token costs less than a decode token (one wide GEMM), so mixed steps would make drafts look
+        # cheap. Proposing is left out: its cost is per sequence, and its first call for a sequence
+        # (indexing the whole prompt) is a one-off that once passed for the price of the drafts.
+        if self.speculator is not None and num_decode == sched.num_batched_tokens:
+            self.speculator.record_step(num_decode, time.perf_counter() - t_sched)
         self.last_step = StepStats(
-            num_prefill_tokens=sum(c.num_new_tokens for c in sched.chunks if c.num_new_tokens > 1),
-            num_decode_tokens=sum(1 for c in sched.chunks if c.num_new_tokens == 1),
+            num_prefill_tokens=sched.num_batched_tokens - num_decode, num_decode_tokens=num_decode,
             num_seqs=len(sched.chunks), num_preempted=len(sched.preempted),
-            num_cached_tokens=self.scheduler.num_cached_tokens - cached_before, duration_s=time.perf_counter() - t0)
+            num_cached_tokens=self.scheduler.num_cached_tokens - cached_before, duration_s=duration,
+            num_draft_tokens=sum(c.num_spec for c in decode), num_accepted_tokens=self._step_accepted)
         return outputs
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        sampling = [c.request for c in sched.chunks if c.samples]
-        result = sample(logits, sampling, self.eos_token_ids) if sampling else SampleResult([], {})
+        sampling = [c for c in sched.chunks if c.samples]
+        requests = [c.request for c in sampling]
+        drafts = [c.request.spec_token_ids[:c.num_spec] for c in sampling] if self.speculator else None
+        result = sample(logits, requests, self.eos_token_ids, drafts) if sampling else SampleResult([], {})
         for chunk in sched.chunks:
-            self.scheduler.postprocess_chunk(chunk)
+            if not chunk.num_spec:  # a chunk with drafts is committed once verification has kept some
+                self.scheduler.postprocess_chunk(chunk)
         outputs = []
-        for i, (req, tok) in enumerate(zip(sampling, result.token_ids)):
+        for i, (chunk, tokens) in enumerate(zip(sampling, result.token_ids)):
+            req = chunk.request
             # NOTE: a request can fail only itself: what goes wrong in its own row ends it alone.
             if i in result.errors:
                 outputs.append(self._fail(req, result.errors[i]))
                 continue
             try:
-                outputs.append(self._append_token(req, tok))
+                outputs.append(self._append_token(req, tokens[0]) if not chunk.num_spec
+                               else self._append_verified(chunk, tokens))
             except Exception as exc:  # noqa: BLE001 - its stop strings, its detokenization
                 logger.exception("request %s failed in postprocessing", req.request_id)
                 outputs.append(self._fail(req, f"postprocessing failed: {type(exc).__name__}"))
         return outputs
 
+    def _append_verified(self, chunk: ScheduledChunk, tokens: list[int]) -> RequestOutput:
+        """Append what verifying `chunk`'s drafts produced, one token at a time (EOS, a stop string,
+        max_tokens or the context limit end the request at that token; the rest are dropped); then
+        keep the KV of what was accepted (`Scheduler.commit_verified`). One output for all of them."""
+        req = chunk.request
+        self.speculator.record_verify(req, chunk.num_spec, len(tokens))
+        self._step_accepted += len(tokens) - 1
+        new_ids: list[int] = []
+        for tok in tokens:
+            out = self._append_token(req, tok)
+            new_ids.extend(out.new_token_ids)
+            if out.finished:
+                break
+        else:
+            self.scheduler.commit_verified(chunk, len(tokens))
+        out.new_token_ids = new_ids
+        return out
+
     def _fail(self, req: Request, error: str) -> RequestOutput:
         """End `req` alone with finish_reason "error"; its blocks are freed as for any finished request."""
         if not req.status.finished:
             self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
-        self._requests.pop(req.request_id, None)
+        if self._requests.pop(req.request_id, None) is not None:
+            self._ended(req)
         return RequestOutput(request_id=req.request_id, new_token_ids=[], token_ids=list(req.output_token_ids),
                              finished=True, finish_reason=RequestStatus.FINISHED_ERROR.value, text=req.output_text,
                              num_prompt_tokens=req.num_prompt_tokens, num_cached_tokens=req.num_cached_tokens,
@@ -312,7 +368,7 @@ class LLMEngine:
         else:
             req.output_token_ids.append(tok)
             new_ids.append(tok)
-            if p.stop and self._hit_stop_string(req):
+            if p.stop and hit_stop_string(self.tokenizer, req):
                 status = RequestStatus.FINISHED_STOPPED
             elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 status = RequestStatus.FINISHED_LENGTH
@@ -325,6 +381,7 @@ class LLMEngine:
             self.scheduler.finish(req, status)
             if status is not RequestStatus.PREFILLED:
                 self._requests.pop(req.request_id, None)
+                self._ended(req)
             if not isinstance(req.stop_reason, str):  # text cut at a stop string stays cut
                 req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
         return RequestOutput(
@@ -333,90 +390,6 @@ class LLMEngine:
             text=req.output_text if status is not None else "", num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens, block_ids=block_ids)
 
-    def _new_text(self, req: Request) -> str:
-        """The text the newest tokens add, decoding only them and a little context before them (never
-        the whole output again). "" while they end inside a multi-byte character."""
-        ids = req.output_token_ids
-        before = self.tokenizer.decode(ids[req.detok_prefix:req.detok_read], skip_special_tokens=True)
-        text = self.tokenizer.decode(ids[req.detok_prefix:], skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        req.detok_prefix, req.detok_read = req.detok_read, len(ids)
-        return text[len(before):]
-
-    def _hit_stop_string(self, req: Request) -> bool:
-        new = self._new_text(req)
-        if not new:
-            return False
-        longest = max(len(s) for s in req.params.stop)
-        # Only a stop string that ends in the new text can be new.
-        window_start = max(0, len(req.output_text) - longest + 1)
-        req.output_text += new
-        cut = None
-        for s in req.params.stop:
-            i = req.output_text.find(s, window_start)
-            if i != -1 and (cut is None or i < cut):
-                cut, req.stop_reason = i, s
-        if cut is not None:
-            req.output_text = req.output_text[:cut]
-        return cut is not None
-
     def check_integrity(self) -> None:
-        """Raise AssertionError on a leaked or doubly owned KV block."""
-        self.block_manager.check_integrity()
-        owned = [b for r in self.scheduler.running + list(self.scheduler.prefilled.values()) for b in r.block_table]
-        assert len(owned) == len(set(owned)), "a KV block is owned by two requests"
-        for r in self.scheduler.waiting:
-            assert not r.block_table, f"waiting request {r.request_id} holds blocks"
-
-
-class LLM:
-    """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
-
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """One output per prompt, in order. Invalid input raises before anything is queued."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise InvalidRequestError("sampling_params", "give one per prompt, or one for all")
-        engine = self.engine
-        # Validate every prompt first so a bad one leaves nothing queued.
-        encoded = [engine.encode_prompt(p) for p in prompts]
-        for ids, sp in zip(encoded, params):
-            engine._validate("__check__", ids, sp)
-        rids = [f"offline-{next(self._ids)}" for _ in prompts]
-        for rid, ids, sp in zip(rids, encoded, params):
-            engine.add_request(rid, ids, sp)
-        results: dict[str, RequestOutput] = {}
-        engine.scheduler.draining = True
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(prompts), desc="generate")
-        try:
-            while len(results) < len(rids):
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        if bar:
-                            bar.update(1)
-        finally:
-            engine.scheduler.draining = False
-            if bar:
-                bar.close()
-        return [results[r] for r in rids]
-
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.engine.apply_chat_template(m) for m in convs], sampling_params)
+        """Raise AssertionError on a leaked or half-owned KV block (`Scheduler.check_integrity`)."""
+        self.scheduler.check_integrity()

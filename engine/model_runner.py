@@ -208,19 +208,30 @@ class ModelRunner:
         for chunk in sched.chunks:
             req = chunk.request
             start = req.num_computed_tokens
-            end = start + chunk.num_new_tokens
+            n = chunk.num_new_tokens
+            end = start + n
             row0 = len(input_ids)
-            input_ids.extend(req.all_token_ids[start:end])
+            if chunk.num_spec:  # the last committed token, then the drafts
+                input_ids.append(req.all_token_ids[start])
+                input_ids.extend(req.spec_token_ids[:chunk.num_spec])
+            else:
+                input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             table = req.block_table
             slot_blocks.extend(table[p // bs] for p in range(start, end))
-            if chunk.num_new_tokens == 1:
-                decode_rows.append(row0)
-                decode_tables.append(table)
-                decode_lens.append(end)
+            if n == 1 or chunk.num_spec:
+                # NOTE: a chunk with drafts attends as 1 + k decode rows over the same blocks, row j
+                # seeing the context up to its own position (start + j): the causal mask inside the
+                # span, and each row computed exactly as decoding that token alone would compute it
+                # (the step writes every new token's K/V before any attention reads the cache).
+                decode_rows.extend(range(row0, row0 + n))
+                decode_tables.extend([table] * n)
+                decode_lens.extend(range(start + 1, end + 1))
             else:
-                prefills.append((row0, row0 + chunk.num_new_tokens, start, table[: -(-end // bs)]))
-            if chunk.samples:
+                prefills.append((row0, row0 + n, start, table[: -(-end // bs)]))
+            if chunk.num_spec:
+                sample_rows.extend(range(row0, row0 + n))
+            elif chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
         return _HostStep(input_ids, positions, slot_blocks, sample_rows, decode_rows, decode_tables, decode_lens,
                          prefills)
@@ -258,7 +269,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput) -> torch.Tensor:
-        """Returns fp32 logits [num_sampling_chunks, vocab], in the order of `sched.chunks`.
+        """Returns fp32 logits [num_sampled_rows, vocab], in the order of `sched.chunks`: one row per
+        sampling chunk, 1 + num_spec rows (one per position) for a chunk with drafts.
 
         NOTE: reads the scheduled requests and the KV cache only; it must never call the block manager
         (a worker runs block-manager calls from other threads while this runs: `LLMEngine.step`)."""

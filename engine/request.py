@@ -91,6 +91,9 @@ class Request:
     cache_salt: str | None = None
     num_registered_blocks: int = 0
     num_cached_tokens: int = 0
+    # Speculation, set by the engine before each step (engine.spec.Speculator): guessed next tokens
+    # for the scheduler to verify this step. [] outside a step that drafts for it.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def full_block_keys(self, num_blocks: int, block_size: int) -> list[BlockKey]:
         """The prefix-cache keys of this request's first `num_blocks` full blocks (computed once)."""
@@ -119,7 +122,7 @@ class Request:
 class RequestOutput:
     """What one step produced for one request.
 
-    new_token_ids: tokens sampled this step (at most one per step today).
+    new_token_ids: tokens sampled this step (several when drafts were accepted: speculative decoding).
     token_ids / text: the whole generated part so far (EOS and stop tokens excluded; text cut at a
     stop string).
     """

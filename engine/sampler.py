@@ -1,4 +1,5 @@
-"""Per-request sampling within one batch: greedy, temperature, top-k, top-p, seeded generators.
+"""Per-request sampling within one batch: greedy, temperature, top-k, top-p, seeded generators, and the
+verification of speculative drafts (the same row processing gives the distributions both draw from).
 
 NOTE: a request can fail only itself. The work each row does for its own request (min_tokens bans,
 temperature, top-k/top-p, the draw) runs row by row under its own guard: a row that fails is reported
@@ -13,34 +14,39 @@ import torch
 
 from engine import cpu_kernels
 from engine.request import Request
-
-NO_TOKEN = -1  # the token of a row that failed
+from engine.sampling_params import SamplingParams
+from engine.spec.verify import verify_greedy, verify_sampled
 
 
 class SampleResult(NamedTuple):
-    token_ids: list[int]  # one per request; NO_TOKEN where the row failed
-    errors: dict[int, str]  # row -> what went wrong, naming the parameter where one is to blame
+    # Per request, the tokens to append in order: one, or (with drafts) the accepted drafts and one
+    # token of the model's own; [] where the row failed.
+    token_ids: list[list[int]]
+    errors: dict[int, str]  # request index -> what went wrong, naming the parameter where one is to blame
 
 
-def _ban_stops_before_min_tokens(logits: torch.Tensor, i: int, req: Request, eos_token_ids: frozenset[int]) -> None:
+def _ban_stops_before_min_tokens(logits: torch.Tensor, row: int, req: Request, num_output: int,
+                                 eos_token_ids: frozenset[int]) -> None:
+    """`num_output`: the request's output length when this row's token is appended."""
     p = req.params
-    if len(req.output_token_ids) < p.min_tokens:
+    if num_output < p.min_tokens:
         banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         if banned:
-            logits[i, banned] = float("-inf")
+            logits[row, banned] = float("-inf")
 
 
-def _sample_row(row: torch.Tensor, req: Request) -> int:
-    p = req.params
-    row = row / p.temperature
-    if 0 < p.top_k < row.shape[0]:
-        kth = torch.topk(row, p.top_k).values[-1]
+def row_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from at one position: softmax after its temperature,
+    top-k and top-p, on the CPU. ValueError when no token has a finite probability."""
+    row = row / params.temperature
+    if 0 < params.top_k < row.shape[0]:
+        kth = torch.topk(row, params.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
-    if p.top_p < 1.0:
+    if params.top_p < 1.0:
         sorted_logits, order = torch.sort(row, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens above it already reach top_p (the top one always stays).
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
         drop[0] = False  # the top token always stays: a top_p that rounds to 0 in fp32 must not empty the row
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
@@ -48,29 +54,54 @@ def _sample_row(row: torch.Tensor, req: Request) -> int:
     probs = torch.softmax(row, dim=-1).cpu()
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
         raise ValueError("no token has a finite probability (non-finite logits, or every token masked)")
-    return int(torch.multinomial(probs, 1, generator=req.generator).item())
+    return probs
 
 
-def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: frozenset[int]) -> SampleResult:
-    """logits: fp32 [len(requests), vocab]. One token id per request, or an error for that row alone.
+def _draw(logits: torch.Tensor, r0: int, req: Request, drafts: list[int]) -> list[int]:
+    """A sampled request's tokens from its rows r0 .. r0 + len(drafts)."""
+    if not drafts:
+        return [int(torch.multinomial(row_probs(logits[r0], req.params), 1, generator=req.generator).item())]
+    probs = torch.stack([row_probs(logits[r0 + j], req.params) for j in range(len(drafts) + 1)])
+    return verify_sampled(probs, drafts, req.generator)
+
+
+def sample(logits: torch.Tensor, requests: list[Request], eos_token_ids: frozenset[int],
+           drafts: list[list[int]] | None = None) -> SampleResult:
+    """The tokens each request appends this step, or an error for that request alone.
+
+    logits: fp32 [sum over requests of 1 + len(drafts[i]), vocab]: each request's rows in order, one
+    per position (its drafts' positions, then the one after the last). `drafts`: per request, the
+    drafted tokens to verify (None: no drafts).
 
     NOTE: random rows draw from each request's own generator, so a seeded request samples the same
     tokens whatever else shares its batch.
     """
+    drafts = drafts if drafts is not None else [[] for _ in requests]
+    starts, r = [], 0
+    for d in drafts:
+        starts.append(r)
+        r += 1 + len(d)
+    assert r == logits.shape[0], f"{logits.shape[0]} logit rows for {r} positions"
     errors: dict[int, str] = {}
     for i, req in enumerate(requests):
         try:
-            _ban_stops_before_min_tokens(logits, i, req, eos_token_ids)
+            for j in range(len(drafts[i]) + 1):
+                _ban_stops_before_min_tokens(logits, starts[i] + j, req, len(req.output_token_ids) + j, eos_token_ids)
         except (IndexError, RuntimeError, ValueError) as exc:
             errors[i] = f"min_tokens/stop_token_ids: {exc}"
     greedy = cpu_kernels.argmax_rows(logits)  # None: not a CPU fp32 batch, or no compiled kernels
-    token_ids = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
+    argmax = (logits.argmax(dim=-1) if greedy is None else greedy).tolist()
+    token_ids: list[list[int]] = []
     for i, req in enumerate(requests):
+        r0, d = starts[i], drafts[i]
         if i in errors:
-            token_ids[i] = NO_TOKEN
-        elif not req.params.greedy:
+            token_ids.append([])
+        elif req.params.greedy:
+            token_ids.append(verify_greedy(argmax[r0:r0 + len(d) + 1], d) if d else [argmax[r0]])
+        else:
             try:
-                token_ids[i] = _sample_row(logits[i], req)
+                token_ids.append(_draw(logits, r0, req, d))
             except (IndexError, RuntimeError, ValueError) as exc:
-                errors[i], token_ids[i] = f"sampling failed: {exc}", NO_TOKEN
+                errors[i] = f"sampling failed: {exc}"
+                token_ids.append([])
     return SampleResult(token_ids, errors)

@@ -44,6 +44,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # False: never speculate for this request (the engine's `speculative_method` applies otherwise).
+    # A seeded sampled request then draws exactly as without speculation.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         self._check_stops()
@@ -59,6 +62,8 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError("ignore_eos", f"must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.speculative, bool):
+            raise InvalidRequestError("speculative", f"must be a boolean, got {self.speculative!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:

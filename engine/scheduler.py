@@ -8,6 +8,7 @@ same thing with different N.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -21,6 +22,18 @@ class ScheduledChunk:
     num_new_tokens: int  # tokens whose KV this step computes
     # True when this chunk reaches the end of the request's tokens: the step samples a token for it.
     samples: bool
+    # Drafts (speculative decoding) at the end of the chunk: a decode chunk of 1 + num_spec tokens,
+    # the request's last token then `request.spec_token_ids[:num_spec]`; the step returns logits at
+    # all of them to verify the drafts.
+    num_spec: int = 0
+
+
+@dataclass(slots=True)
+class _Budget:
+    """What is left of one step's budgets while it is scheduled."""
+
+    tokens: int  # all tokens
+    prefill: int  # prompt tokens (new prompts, later chunks, recomputes) within `tokens`
 
 
 @dataclass(slots=True)
@@ -40,7 +53,8 @@ class SchedulerOutput:
 class Scheduler:
     """Chooses which requests run each step and keeps their block tables.
 
-    It asks the block manager only `blocks_for_tokens / can_allocate / allocate / allocate_contiguous / free`.
+    It asks the block manager only `blocks_for_tokens / can_allocate / allocate / allocate_contiguous / free`
+    (and `lookup / take / register` for the prefix cache).
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
@@ -120,6 +134,7 @@ class Scheduler:
         self._free_blocks(request)
         request.num_computed_tokens = 0
         request.num_registered_blocks = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         if self.config.batching != "continuous":
@@ -144,22 +159,33 @@ class Scheduler:
         return False
 
     def schedule(self) -> SchedulerOutput:
+        """This step's chunks: running requests first (preempting from the back when blocks run out),
+        then waiting ones, then the drafts of decoding requests in what budget and blocks are left."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Prompt tokens (new prompts, later chunks, recomputes) have their own cap inside the budget.
-        prefill_budget = self.config.max_prefill_tokens_per_step or budget
+        left = _Budget(budget, self.config.max_prefill_tokens_per_step or budget)
+        self._schedule_running(out, left)
+        # Waiting requests and drafts only when this step did not have to preempt (then memory is the
+        # bottleneck).
+        if not out.preempted:
+            self._schedule_waiting(out, left)
+            if self.config.speculative_method != "off":
+                self._add_drafts(out, left)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, left: _Budget) -> None:
+        """Running requests, highest priority first; preempt from the back when blocks run out."""
         chunked = self.config.enable_chunked_prefill
         bm = self.block_manager
         scheduled_ids: set[int] = set()
-
-        # 1. Running requests, highest priority first; preempt from the back when blocks run out.
         self.running.sort(key=lambda r: r.sort_key)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and left.tokens > 0:
             req = self.running[i]
             num_new = req.num_tokens - req.num_computed_tokens
             # A decode is one token; an urgent recompute's client is stalled: the token budget only.
-            limit = budget if num_new == 1 or req.urgent else min(budget, prefill_budget)
+            limit = left.tokens if num_new == 1 or req.urgent else min(left.tokens, left.prefill)
             if num_new > limit:
                 if not chunked or limit <= 0:
                     i += 1
@@ -182,27 +208,27 @@ class Scheduler:
             samples = req.num_computed_tokens + num_new == req.num_tokens
             out.chunks.append(ScheduledChunk(req, num_new, samples))
             scheduled_ids.add(id(req))
-            budget -= num_new
+            left.tokens -= num_new
             if num_new > 1:
-                prefill_budget -= num_new
+                left.prefill -= num_new
             i += 1
 
-        # 2. Waiting requests, unless this step had to preempt (then memory is the bottleneck). Once an
-        # urgent prompt is in, only urgent ones follow it.
-        if out.preempted:
-            return out
+    def _schedule_waiting(self, out: SchedulerOutput, left: _Budget) -> None:
+        """Waiting requests in order. Once an urgent prompt is in, only urgent ones follow it."""
+        chunked = self.config.enable_chunked_prefill
+        bm = self.block_manager
         urgent = any(c.request.urgent and c.num_new_tokens > 1 for c in out.chunks)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and left.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             if not self._admission_open():
                 break
             req = self.waiting[0]
-            if (urgent or prefill_budget <= 0) and not req.urgent:
+            if (urgent or left.prefill <= 0) and not req.urgent:
                 break
             urgent = req.urgent
             hits = self._cached_prefix(req)
             num_computed = req.num_computed_tokens + len(hits) * bm.block_size
             num_new = req.num_tokens - num_computed
-            limit = budget if req.urgent else min(budget, prefill_budget)
+            limit = left.tokens if req.urgent else min(left.tokens, left.prefill)
             if num_new > limit:
                 if not chunked:
                     break
@@ -228,9 +254,32 @@ class Scheduler:
             self.running.append(req)
             samples = req.num_computed_tokens + num_new == req.num_tokens
             out.chunks.append(ScheduledChunk(req, num_new, samples))
-            budget -= num_new
-            prefill_budget -= num_new
-        return out
+            left.tokens -= num_new
+            left.prefill -= num_new
+
+    def _add_drafts(self, out: SchedulerOutput, left: _Budget) -> None:
+        """Extend decode chunks by their request's drafts (`Request.spec_token_ids`), in priority order,
+        as far as the token budget and the free blocks allow.
+
+        NOTE: drafts come last and never preempt: they only use what every committed token of this
+        step (decodes, prompt chunks) left over, so speculation cannot slow anyone else down."""
+        bm = self.block_manager
+        for chunk in out.chunks:
+            if left.tokens <= 0:
+                break
+            req = chunk.request
+            k = min(len(req.spec_token_ids), left.tokens)
+            if k == 0 or chunk.num_new_tokens != 1 or not chunk.samples:
+                continue
+            have = len(req.block_table)
+            while k > 0 and bm.blocks_for_tokens(req.num_computed_tokens + 1 + k) - have > bm.num_free_blocks:
+                k -= 1
+            need = bm.blocks_for_tokens(req.num_computed_tokens + 1 + k) - have
+            if need > 0:
+                req.block_table.extend(bm.allocate(need))
+            chunk.num_new_tokens += k
+            chunk.num_spec = k
+            left.tokens -= k
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding `req`'s first tokens, for a request starting from nothing. The last
@@ -241,8 +290,31 @@ class Scheduler:
         return self.block_manager.lookup(req.full_block_keys(n, self.block_manager.block_size)) if n else []
 
     def postprocess_chunk(self, chunk: ScheduledChunk) -> None:
+        """After a step without drafts for `chunk`: its tokens' KV is computed."""
+        assert not chunk.num_spec, "a chunk with drafts is committed by commit_verified"
+        chunk.request.num_computed_tokens += chunk.num_new_tokens
+        self._register_full_blocks(chunk.request)
+
+    def commit_verified(self, chunk: ScheduledChunk, num_emitted: int) -> None:
+        """After verifying `chunk`'s drafts, `num_emitted` tokens were appended to its request (the
+        accepted drafts and one token of the model's own). The KV of the chunk's first token and the
+        accepted drafts is kept; the blocks that only hold rejected drafts are freed.
+
+        NOTE: rejected drafts' KV may stay in the last kept block, past `num_computed_tokens`: nothing
+        reads a slot beyond a sequence's computed length, the next step overwrites it, and a block
+        enters the prefix cache only once all of its tokens are computed and committed."""
         req = chunk.request
-        req.num_computed_tokens += chunk.num_new_tokens
+        assert chunk.num_spec and 1 <= num_emitted <= chunk.num_new_tokens, (chunk.num_spec, num_emitted)
+        req.num_computed_tokens += num_emitted
+        assert req.num_computed_tokens == req.num_tokens - 1, "verification must leave one token to decode"
+        keep = self.block_manager.blocks_for_tokens(req.num_computed_tokens)
+        if len(req.block_table) > keep:
+            self.block_manager.free(req.block_table[keep:])
+            del req.block_table[keep:]
+        self._register_full_blocks(req)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Put `req`'s newly full, computed blocks in the prefix cache."""
         if self.config.enable_prefix_caching:
             bm = self.block_manager
             full = req.num_computed_tokens // bm.block_size
@@ -251,3 +323,20 @@ class Scheduler:
                 for i in range(req.num_registered_blocks, full):
                     bm.register(req.block_table[i], keys[i])
                 req.num_registered_blocks = full
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError on a leaked or half-owned KV block (call it between steps): each block a
+        request holds has at least as many references as holders (a cached prefix block is shared; an
+        exported copy's pin adds one), no waiting request holds one, and no running request holds more
+        than its computed tokens and its next one need (a rejected draft's block never outlives its step)."""
+        bm = self.block_manager
+        bm.check_integrity()
+        holders = Counter(b for r in self.running + list(self.prefilled.values()) for b in r.block_table)
+        for b, n in holders.items():
+            assert bm.ref_count(b) >= n, f"KV block {b} is held by {n} requests but has {bm.ref_count(b)} references"
+        for r in self.running:
+            assert len(r.block_table) <= bm.blocks_for_tokens(r.num_computed_tokens + 1), (
+                f"running request {r.request_id} holds {len(r.block_table)} blocks for "
+                f"{r.num_computed_tokens} computed tokens")
+        for r in self.waiting:
+            assert not r.block_table, f"waiting request {r.request_id} holds blocks"

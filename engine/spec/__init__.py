@@ -6,13 +6,15 @@ verifies them all in one forward pass, and an adaptive controller decides how ma
     suffix.py     suffix decoding: a frequency trie over the request's tokens and recent outputs
     verify.py     acceptance: longest matching prefix (greedy), rejection sampling (sampled)
     controller.py how many drafts pay off, from measured step costs and each sequence's acceptance
+    speculator.py the engine's side: drafts before a step, feedback and counters after it
 """
 
 from engine.spec.controller import SpecController
 from engine.spec.ngram import NgramProposer
 from engine.spec.proposer import Proposer, make_proposer
+from engine.spec.speculator import Speculator, SpecStats
 from engine.spec.suffix import SuffixProposer
 from engine.spec.verify import verify_greedy, verify_sampled
 
-__all__ = ["Proposer", "NgramProposer", "SuffixProposer", "SpecController", "make_proposer", "verify_greedy",
-           "verify_sampled"]
+__all__ = ["Proposer", "NgramProposer", "SuffixProposer", "SpecController", "Speculator", "SpecStats",
+           "make_proposer", "verify_greedy", "verify_sampled"]

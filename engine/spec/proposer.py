@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram", "suffix")
+from engine.config import SPECULATIVE_METHODS
 
 
 @runtime_checkable

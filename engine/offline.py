@@ -1,0 +1,64 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` over one `LLMEngine`."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine, Prompt
+from engine.request import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per prompt, in order. Invalid input raises before anything is queued."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise InvalidRequestError("sampling_params", "give one per prompt, or one for all")
+        engine = self.engine
+        # Validate every prompt first so a bad one leaves nothing queued.
+        encoded = [engine.encode_prompt(p) for p in prompts]
+        for ids, sp in zip(encoded, params):
+            engine._validate("__check__", ids, sp)
+        rids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for rid, ids, sp in zip(rids, encoded, params):
+            engine.add_request(rid, ids, sp)
+        results: dict[str, RequestOutput] = {}
+        engine.scheduler.draining = True
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(prompts), desc="generate")
+        try:
+            while len(results) < len(rids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar:
+                            bar.update(1)
+        finally:
+            engine.scheduler.draining = False
+            if bar:
+                bar.close()
+        return [results[r] for r in rids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.engine.apply_chat_template(m) for m in convs], sampling_params)
