@@ -7,6 +7,7 @@ Each field documents itself in its metadata (`setting(...)`): `help` (one senten
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -19,6 +20,13 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16", "f
 # How decode steps guess tokens to verify (engine.spec): none, prompt lookup, or suffix decoding.
 SpeculativeMethod = Literal["off", "ngram", "suffix"]
 SPECULATIVE_METHODS: tuple[str, ...] = ("off", "ngram", "suffix")
+# NOTE: the default of `speculative_method` can come from the environment so that whole test suites
+# (engine, e2e) run once with speculation on without touching each test's settings.
+SPECULATIVE_METHOD_ENV = "PDSERVE_SPECULATIVE_METHOD"
+DEFAULT_SPECULATIVE_METHOD = os.environ.get(SPECULATIVE_METHOD_ENV) or "off"
+# Which waiting request runs first: arrival order, or the request's `priority` (lower first), as vLLM.
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
 
 def setting(default: Any = None, help_text: str = "", *, doc: str = "", default_doc: str = "", cli: bool = True,
@@ -87,17 +95,26 @@ class EngineConfig:
             "(token-level): requests join and leave every step")
     max_wait_s: float = setting(0.05, "dynamic batching: the longest a request waits for its batch to fill",
                                 cli=False)
+    scheduling_policy: SchedulingPolicy = setting(
+        "fcfs", "which waiting request runs first: fcfs (arrival order) or priority (a request's `priority`, "
+                "lower first, then arrival)",
+        doc="Under `fcfs` a request with a non-zero `priority` is refused (HTTP 400 / gRPC INVALID_ARGUMENT naming "
+            "`priority`; `InvalidRequestError` in the engine) rather than accepted and ignored. Under `priority` "
+            "the engines' queues, the router's decode admission and a dead worker's moved sequences all go by "
+            "priority first; clients can then jump the queue, so choose it only where they are trusted to")
     num_threads: int | None = setting(None, "torch intra-op threads of this engine", default_doc="torch's")
     seed: int = setting(0, "seeds the requests that ask for sampling without a seed", cli=False)
     speculative_method: SpeculativeMethod = setting(
-        "off", "speculative decoding: off, ngram (prompt lookup) or suffix (suffix decoding over this request "
+        DEFAULT_SPECULATIVE_METHOD, "speculative decoding: off, ngram (prompt lookup) or suffix (suffix decoding over this request "
                "and recent outputs); drafts are verified in one forward pass",
         doc="A decoding sequence carries up to `num_speculative_tokens` guessed tokens into a step; the model "
             "checks them all at once and keeps the longest run it agrees with, plus one token of its own. "
             "Greedy output is token for token the same as without it; sampled output has the same "
             "distribution (rejection sampling), though not the same draws for a given seed. Pays off where "
             "the output copies its input (edits, extraction, summaries) and on small batches; requests opt "
-            "out with `SamplingParams(speculative=False)`")
+            "out with `SamplingParams(speculative=False)` (HTTP: `\"speculative\": false`). The environment "
+            f"variable `{SPECULATIVE_METHOD_ENV}` sets the default (e.g. to run a test suite with speculation on)",
+        default_doc=f"`off` (or ${SPECULATIVE_METHOD_ENV})")
     num_speculative_tokens: int = setting(4, "most draft tokens per sequence and step")
     speculative_adaptive: bool = setting(
         True, "choose the drafts per step from measured step costs and each sequence's acceptance (off: "
@@ -126,9 +143,13 @@ class EngineConfig:
             object.__setattr__(self, "dtype", "bfloat16" if str(self.device).startswith("cuda") else "float32")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise EngineConfigError(f"dtype={self.dtype!r}: choose auto, float32, bfloat16 or float16")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise EngineConfigError(f"scheduling_policy={self.scheduling_policy!r}: choose one of "
+                                    f"{', '.join(SCHEDULING_POLICIES)}")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise EngineConfigError(f"speculative_method={self.speculative_method!r}: choose one of "
-                                    f"{', '.join(SPECULATIVE_METHODS)}")
+                                    f"{', '.join(SPECULATIVE_METHODS)} (the default comes from "
+                                    f"${SPECULATIVE_METHOD_ENV} when set)")
         if isinstance(self.num_speculative_tokens, bool) or not 1 <= self.num_speculative_tokens <= 64:
             raise EngineConfigError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -12,6 +12,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, kv_cache_torch_dtype
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.logprobs import attach_logprobs, record_prompt_logprobs
 from engine.model_loader import load_model_and_tokenizer
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, extend_block_keys
@@ -20,6 +21,7 @@ from engine.stop_strings import hit_stop_string
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec.speculator import Speculator, SpecStats
+from engine.structured import GrammarCache
 
 logger = logging.getLogger(__name__)
 MAX_CACHE_SALT_CHARS = 1024
@@ -89,6 +91,7 @@ class LLMEngine:
         self.last_step = StepStats()
         self._step_accepted = 0  # drafts accepted in the step being postprocessed
         self.speculator = Speculator(config) if config.speculative_method != "off" else None
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))  # compiled on use
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -134,14 +137,22 @@ class LLMEngine:
         that arrived earlier elsewhere, e.g. one resumed after its worker died, goes ahead.
         `urgent`: a step that admits it admits no later new prompt that is not urgent too (a recompute
         whose client is waiting gets a short step, not one filled up to the token budget).
-        `cache_salt`: this request shares prefix-cache entries only with requests of the same salt."""
+        `cache_salt`: this request shares prefix-cache entries only with requests of the same salt.
+        `priority` (lower runs first) only under `scheduling_policy="priority"`; under "fcfs" a
+        non-zero one is refused rather than ignored."""
         params = params if params is not None else SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise InvalidRequestError("priority", "must be an integer")
+        if priority and self.config.scheduling_policy == "fcfs":
+            raise InvalidRequestError("priority", "this server schedules first come, first served "
+                                                  "(scheduling_policy=fcfs): leave priority at 0")
         prompt_ids = self.encode_prompt(prompt)
         self._validate(request_id, prompt_ids, params)
         params.check_token_ids(self.vocab_size)
         check_cache_salt(cache_salt)
         req = Request(request_id, prompt_ids, params, priority=priority, prefill_only=prefill_only,
-                      urgent=urgent, generator=self._new_generator(params), cache_salt=cache_salt)
+                      urgent=urgent, generator=self._new_generator(params), cache_salt=cache_salt,
+                      grammar=self.grammars.state_for(params))
         if arrival_time is not None:
             req.arrival_time = min(arrival_time, req.arrival_time)
         self._requests[request_id] = req
@@ -236,10 +247,12 @@ class LLMEngine:
                               priority: int = 0, generator_state: torch.Tensor | None = None,
                               cache_salt: str | None = None) -> None:
         """Resume decoding a request whose first `num_computed_tokens` tokens of KV are already in
-        `block_ids` (allocated with `allocate_blocks`). The engine owns the blocks from now on."""
+        `block_ids` (allocated with `allocate_blocks`). The engine owns the blocks from now on. A grammar
+        continues after `output_token_ids`; prompt logprobs are not computed again (they came with it)."""
         check_cache_salt(cache_salt)
         req = Request(request_id, list(prompt_token_ids), params, priority=priority,
-                      generator=self._new_generator(params), cache_salt=cache_salt)
+                      generator=self._new_generator(params), cache_salt=cache_salt, prompt_logprobs_sent=True,
+                      grammar=self.grammars.state_for(params, output_token_ids))
         if generator_state is not None and req.generator is not None:
             req.generator.set_state(generator_state)
         req.output_token_ids = list(output_token_ids)
@@ -286,8 +299,9 @@ class LLMEngine:
             return []
         with forward or contextlib.nullcontext():
             logits = self.runner.run(sched)
+        record_prompt_logprobs(sched.chunks, logits.prompt_logprobs)
         self._step_accepted = 0
-        outputs = self._postprocess(sched, logits)
+        outputs = self._postprocess(sched, logits.logits)
         duration = time.perf_counter() - t0
         decode = [c for c in sched.chunks if c.num_new_tokens == 1 or c.num_spec]
         num_decode = sum(c.num_new_tokens for c in decode)
@@ -320,8 +334,8 @@ class LLMEngine:
                 outputs.append(self._fail(req, result.errors[i]))
                 continue
             try:
-                outputs.append(self._append_token(req, tokens[0]) if not chunk.num_spec
-                               else self._append_verified(chunk, tokens))
+                out = self._append_token(req, tokens[0]) if not chunk.num_spec else self._append_verified(chunk, tokens)
+                outputs.append(attach_logprobs(out, req, (result.logprobs or {}).get(i)))
             except Exception as exc:  # noqa: BLE001 - its stop strings, its detokenization
                 logger.exception("request %s failed in postprocessing", req.request_id)
                 outputs.append(self._fail(req, f"postprocessing failed: {type(exc).__name__}"))
@@ -362,7 +376,7 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         new_ids: list[int] = []
         status: RequestStatus | None = None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids) or req.grammar_terminated:
             status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = tok
         else:

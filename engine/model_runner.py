@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from engine.attention import (AttentionMetadata, KVWorkspace, PrefillSeq, attention_backends, decode_bucket,
                               paged_attention, paged_decode_meta, plan_decode_buckets, write_kv)
 from engine import cpu_kernels
+from engine.logprobs import token_logprobs
+from engine.request import TokenLogprob
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepInputs
 
@@ -82,6 +84,29 @@ class _HostStep(NamedTuple):
     decode_tables: list[list[int]]
     decode_lens: list[int]  # context length of each decode row, its new token included
     prefills: list[tuple[int, int, int, list[int]]]  # (start row, end row, tokens cached before, block table)
+    prompt_spans: list[PromptSpan]  # rows whose logits score the next prompt token (prompt_logprobs)
+
+
+class PromptSpan(NamedTuple):
+    """Rows row0 .. row0 + len(target_ids) - 1 of a chunk of a request that asked for prompt_logprobs:
+    each one's logits score the prompt token after it."""
+
+    chunk_index: int
+    row0: int
+    target_ids: list[int]
+    k: int
+
+
+class StepLogits(NamedTuple):
+    """What a step's forward pass returns."""
+
+    logits: torch.Tensor  # fp32 [num sampled rows, vocab], in the order of `sched.chunks`
+    # chunk index in `sched.chunks` -> logprobs of the prompt tokens at positions start + 1, start + 2, ...
+    # of that chunk (start: the chunk's first position); only for requests that ask for prompt_logprobs.
+    prompt_logprobs: dict[int, list[TokenLogprob]]
+
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions scored per lm_head call: bounds the [rows, vocab] logits in memory
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -204,8 +229,8 @@ class ModelRunner:
         bs = self.block_size
         # NOTE: plain local lists in the loop (a NamedTuple's fields cost an attribute lookup each).
         input_ids, positions, slot_blocks, sample_rows = [], [], [], []
-        decode_rows, decode_tables, decode_lens, prefills = [], [], [], []
-        for chunk in sched.chunks:
+        decode_rows, decode_tables, decode_lens, prefills, spans = [], [], [], [], []
+        for ci, chunk in enumerate(sched.chunks):
             req = chunk.request
             start = req.num_computed_tokens
             n = chunk.num_new_tokens
@@ -233,8 +258,12 @@ class ModelRunner:
                 sample_rows.extend(range(row0, row0 + n))
             elif chunk.samples:
                 sample_rows.append(len(input_ids) - 1)
+            if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent and not chunk.num_spec:
+                targets = req.prompt_token_ids[start + 1:min(end, req.num_prompt_tokens - 1) + 1]
+                if targets:
+                    spans.append(PromptSpan(ci, row0, targets, req.params.prompt_logprobs))
         return _HostStep(input_ids, positions, slot_blocks, sample_rows, decode_rows, decode_tables, decode_lens,
-                         prefills)
+                         prefills, spans)
 
     def _prepare(self, sched: SchedulerOutput):
         """The step's device inputs: token ids, positions, attention metadata, rows to sample.
@@ -264,21 +293,22 @@ class ModelRunner:
             prefills=[PrefillSeq(r0, r1, start, t[k]) for (r0, r1, start, _), k in zip(hs.prefills, k_tables)],
             paged=paged,
         )
-        return t[k_ids], pos, meta, t[k_sample]
+        return t[k_ids], pos, meta, t[k_sample], hs.prompt_spans
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def run(self, sched: SchedulerOutput) -> torch.Tensor:
+    def run(self, sched: SchedulerOutput) -> StepLogits:
         """Returns fp32 logits [num_sampled_rows, vocab], in the order of `sched.chunks`: one row per
-        sampling chunk, 1 + num_spec rows (one per position) for a chunk with drafts.
+        sampling chunk, 1 + num_spec rows (one per position) for a chunk with drafts; and the prompt
+        logprobs of the chunks whose request asks for them (only those pay for logits at prompt rows).
 
         NOTE: reads the scheduled requests and the KV cache only; it must never call the block manager
         (a worker runs block-manager calls from other threads while this runs: `LLMEngine.step`)."""
         with attention_backends(self.device):
             return self._forward(sched)
 
-    def _forward(self, sched: SchedulerOutput) -> torch.Tensor:
-        ids, pos, meta, sample_rows = self._prepare(sched)
+    def _forward(self, sched: SchedulerOutput) -> StepLogits:
+        ids, pos, meta, sample_rows, spans = self._prepare(sched)
         num_tokens = ids.shape[0]
         h = self.embed_tokens(ids)
         cos, sin = self.rotary_emb(h.unsqueeze(0), pos.unsqueeze(0))
@@ -311,7 +341,19 @@ class ModelRunner:
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
             h, x = self._add_norm(layer.post_attention_layernorm, h, self._lin_o[li](o.reshape(num_tokens, -1)))
             delta = self._mlp(li, layer, x)
+        prompt = {span.chunk_index: self._prompt_logprobs(h, delta, span) for span in spans}
         if sample_rows.numel() == 0:
-            return torch.empty(0, self.config.vocab_size, device=self.device)
+            return StepLogits(torch.empty(0, self.config.vocab_size, device=self.device), prompt)
         _, h = self._add_norm(self.norm, h[sample_rows], delta[sample_rows])
-        return self._lin_head(h).float()
+        return StepLogits(self._lin_head(h).float(), prompt)
+
+    def _prompt_logprobs(self, h: torch.Tensor, delta: torch.Tensor, span: PromptSpan) -> list[TokenLogprob]:
+        """The logprobs of `span`'s target tokens from the final hidden states at its rows, a slice of rows
+        at a time (the norm works on a copy of the rows: `h` stays as it is for the sampled rows)."""
+        out: list[TokenLogprob] = []
+        for a in range(0, len(span.target_ids), PROMPT_LOGITS_ROWS):
+            b = min(a + PROMPT_LOGITS_ROWS, len(span.target_ids))
+            rows = torch.arange(span.row0 + a, span.row0 + b, device=h.device)
+            _, x = self._add_norm(self.norm, h[rows], delta[rows])
+            out.extend(token_logprobs(self._lin_head(x).float(), span.target_ids[a:b], span.k))
+        return out

@@ -22,7 +22,8 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """One output per prompt, in order. Invalid input raises before anything is queued."""
+        """One output per prompt, in order, each with all its logprobs (and prompt logprobs) when asked.
+        Invalid input raises before anything is queued."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -36,10 +37,15 @@ class LLM:
         encoded = [engine.encode_prompt(p) for p in prompts]
         for ids, sp in zip(encoded, params):
             engine._validate("__check__", ids, sp)
+            sp.check_token_ids(engine.vocab_size)
+            engine.grammars.state_for(sp)  # a grammar that does not compile (cached for add_request)
         rids = [f"offline-{next(self._ids)}" for _ in prompts]
         for rid, ids, sp in zip(rids, encoded, params):
             engine.add_request(rid, ids, sp)
         results: dict[str, RequestOutput] = {}
+        # The engine's outputs carry this step's logprobs only (and the prompt's on the first): collected here.
+        logprobs: dict[str, list] = {rid: [] for rid, sp in zip(rids, params) if sp.logprobs is not None}
+        prompt_logprobs: dict[str, list] = {}
         engine.scheduler.draining = True
         bar = None
         if use_tqdm:
@@ -49,7 +55,13 @@ class LLM:
         try:
             while len(results) < len(rids):
                 for out in engine.step():
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
+                    if out.request_id in logprobs:
+                        logprobs[out.request_id].extend(out.logprobs or [])
                     if out.finished:
+                        out.logprobs = logprobs.get(out.request_id)
+                        out.prompt_logprobs = prompt_logprobs.get(out.request_id)
                         results[out.request_id] = out
                         if bar:
                             bar.update(1)

@@ -8,11 +8,23 @@ import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from engine.block_manager import BlockKey
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarState
+
+
+class TokenLogprob(NamedTuple):
+    """One token's raw logprob and the top alternatives at its position (best first, ties by id)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob), k = the request's logprobs / prompt_logprobs
 
 
 class RequestStatus(enum.Enum):
@@ -94,12 +106,23 @@ class Request:
     # Speculation, set by the engine before each step (engine.spec.Speculator): guessed next tokens
     # for the scheduler to verify this step. [] outside a step that drafts for it.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured output: the request's grammar matcher (engine.structured), None when unconstrained.
+    grammar: GrammarState | None = None
+    # prompt_logprobs, filled position by position as the prompt is computed ([0] is None); handed out
+    # once, with the first output (`prompt_logprobs_sent`), then never computed again (recomputes skip it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     def full_block_keys(self, num_blocks: int, block_size: int) -> list[BlockKey]:
         """The prefix-cache keys of this request's first `num_blocks` full blocks (computed once)."""
         if len(self.block_keys) < num_blocks:
             extend_block_keys(self.block_keys, self.all_token_ids, num_blocks, block_size, self.cache_salt)
         return self.block_keys[:num_blocks]
+
+    @property
+    def grammar_terminated(self) -> bool:
+        """A structured request's grammar accepted its stop token: the request is done ("stop")."""
+        return self.grammar is not None and self.grammar.terminated
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -140,3 +163,7 @@ class RequestOutput:
     block_ids: list[int] | None = None
     # finish_reason "error": what failed, naming the request's parameter where one is to blame.
     error: str | None = None
+    # With params.logprobs: one per token of new_token_ids (this output's tokens only).
+    logprobs: list[TokenLogprob] | None = None
+    # With params.prompt_logprobs, on the request's first output only: one per prompt token, [0] None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredSpec
 
 # Documented bounds (README, "Parameters and their bounds"). A request outside them is refused with
 # an error naming the field; inside them, sampling cannot fail for numeric reasons.
@@ -17,6 +18,10 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_se
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 64
+MAX_PENALTY = 2.0  # presence/frequency: OpenAI's [-2, 2]; repetition: (0, 2]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 
 
 def _is_int(x: object) -> bool:
@@ -47,9 +52,23 @@ class SamplingParams:
     # False: never speculate for this request (the engine's `speculative_method` applies otherwise).
     # A seeded sampled request then draws exactly as without speculation.
     speculative: bool = True
+    # OpenAI penalties, on the tokens generated so far: logit -= presence * (count > 0) + frequency * count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers/vLLM semantics, over prompt and output tokens: a seen token's logit is divided by it
+    # when positive, multiplied when negative (1: off).
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top token's (after temperature)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # Raw logprobs (log_softmax of the model's fp32 logits, before any of the above): per generated token
+    # its own and the top `logprobs` alternatives; per prompt token (the first has none) with `prompt_logprobs`.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: StructuredSpec | None = None  # the output must match this grammar (engine.structured)
 
     def __post_init__(self) -> None:
         self._check_stops()
+        self._check_features()
         if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
@@ -90,6 +109,46 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
 
+    def _check_features(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise InvalidRequestError(name, f"must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_PENALTY:
+            raise InvalidRequestError("repetition_penalty", f"must be a number in (0, {MAX_PENALTY:g}], "
+                                                            f"got {self.repetition_penalty!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError("min_p", f"must be a number in [0, 1], got {self.min_p!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(k) and k >= 0 and _is_number(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+                    for k, v in self.logit_bias.items()):
+                raise InvalidRequestError("logit_bias", f"must map token ids (integers >= 0) to numbers in "
+                                                        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise InvalidRequestError("logit_bias", f"at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                                                        f"got {len(self.logit_bias)}")
+            self.logit_bias = {k: float(v) for k, v in self.logit_bias.items()} or None
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise InvalidRequestError(name, f"must be an integer in [0, {MAX_LOGPROBS}] (or None), got {v!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise InvalidRequestError("structured", "must be an engine.structured.StructuredSpec")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether this request's logits change with the tokens seen so far (penalties) or by a fixed bias."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or self.logit_bias is not None)
+
+    @property
+    def can_speculate(self) -> bool:
+        """Speculative decoding applies only to requests whose rows need no per-position state: logprobs,
+        grammars and penalties are computed one token at a time."""
+        return (self.speculative and self.logprobs is None and self.prompt_logprobs is None
+                and self.structured is None and not self.has_penalties)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS
@@ -99,3 +158,6 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if t >= vocab_size]
         if bad:
             raise InvalidRequestError("stop_token_ids", f"ids must be in [0, {vocab_size}), got {bad[:4]}")
+        bad = [t for t in (self.logit_bias or {}) if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab_size}), got {bad[:4]}")

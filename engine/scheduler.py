@@ -214,18 +214,30 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, left: _Budget) -> None:
-        """Waiting requests in order. Once an urgent prompt is in, only urgent ones follow it."""
+        """Waiting requests in order. Once an urgent prompt is in, only urgent ones follow it. A request
+        whose next uncached full block a running request is computing waits for it (shared prefill)."""
         chunked = self.config.enable_chunked_prefill
         bm = self.block_manager
         urgent = any(c.request.urgent and c.num_new_tokens > 1 for c in out.chunks)
-        while self.waiting and left.tokens > 0 and len(self.running) < self.config.max_num_seqs:
+        pending: set[bytes] | None = None  # keys of full blocks running prefills will register
+        i = 0
+        while i < len(self.waiting) and left.tokens > 0 and len(self.running) < self.config.max_num_seqs:
             if not self._admission_open():
                 break
-            req = self.waiting[0]
+            req = self.waiting[i]
             if (urgent or left.prefill <= 0) and not req.urgent:
                 break
-            urgent = req.urgent
             hits = self._cached_prefix(req)
+            next_key = self._next_uncached_key(req, len(hits))
+            if next_key is not None:
+                if pending is None:
+                    pending = self._pending_keys(self.running)
+                # NOTE: shared prefill: the block is being computed now; computing it again would double
+                # the work of n fan-out siblings or identical concurrent prompts. Next step it is cached.
+                if next_key in pending:
+                    i += 1
+                    continue
+            urgent = req.urgent
             num_computed = req.num_computed_tokens + len(hits) * bm.block_size
             num_new = req.num_tokens - num_computed
             limit = left.tokens if req.urgent else min(left.tokens, left.prefill)
@@ -236,26 +248,52 @@ class Scheduler:
             need = bm.blocks_for_tokens(num_computed + num_new) - len(req.block_table) - len(hits)
             if need > (bm.num_free_after_taking(hits) if hits else bm.num_free_blocks):
                 break
-            self.waiting.pop(0)
-            if hits:
-                bm.take(hits)
-                req.block_table = hits
-                req.num_computed_tokens, req.num_registered_blocks = num_computed, len(hits)
-            req.num_cached_tokens = len(hits) * bm.block_size
-            self.num_cached_tokens += req.num_cached_tokens
-            if self.config.batching != "continuous":
-                self._batch_quota -= 1
-            if need > 0:
-                # A prefill-only request's blocks are sent to a decode worker: as one run of ids they
-                # go on the wire straight from the cache, with no packing copy (kv_transfer.protocol).
-                run = bm.allocate_contiguous(need) if req.prefill_only and not req.block_table else None
-                req.block_table.extend(run or bm.allocate(need))
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            del self.waiting[i]
+            self._admit(req, hits, num_computed, need)
+            if pending is not None:
+                pending |= self._pending_keys([req])
             samples = req.num_computed_tokens + num_new == req.num_tokens
             out.chunks.append(ScheduledChunk(req, num_new, samples))
             left.tokens -= num_new
             left.prefill -= num_new
+
+    def _admit(self, req: Request, hits: list[int], num_computed: int, need: int) -> None:
+        """Move `req` from waiting to running with its cached blocks `hits` and `need` new ones."""
+        bm = self.block_manager
+        if hits:
+            bm.take(hits)
+            req.block_table = hits
+            req.num_computed_tokens, req.num_registered_blocks = num_computed, len(hits)
+        req.num_cached_tokens = len(hits) * bm.block_size
+        self.num_cached_tokens += req.num_cached_tokens
+        if self.config.batching != "continuous":
+            self._batch_quota -= 1
+        if need > 0:
+            # A prefill-only request's blocks are sent to a decode worker: as one run of ids they
+            # go on the wire straight from the cache, with no packing copy (kv_transfer.protocol).
+            run = bm.allocate_contiguous(need) if req.prefill_only and not req.block_table else None
+            req.block_table.extend(run or bm.allocate(need))
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def _next_uncached_key(self, req: Request, num_hits: int) -> bytes | None:
+        """The key of the first full prompt block of `req` (starting from nothing) the prefix cache does
+        not hold, or None when there is none or `req` does not read the cache."""
+        if not self._reads_cache(req):
+            return None
+        bs = self.block_manager.block_size
+        n = (req.num_tokens - 1) // bs
+        return req.full_block_keys(n, bs)[num_hits] if num_hits < n else None
+
+    def _pending_keys(self, requests: list[Request]) -> set[bytes]:
+        """Keys of the full blocks that `requests` still in prefill will compute and register."""
+        bs = self.block_manager.block_size
+        keys: set[bytes] = set()
+        for r in requests:
+            full = r.num_tokens // bs
+            if r.num_tokens - r.num_computed_tokens > 1 and full > r.num_registered_blocks:
+                keys.update(r.full_block_keys(full, bs)[r.num_registered_blocks:])
+        return keys
 
     def _add_drafts(self, out: SchedulerOutput, left: _Budget) -> None:
         """Extend decode chunks by their request's drafts (`Request.spec_token_ids`), in priority order,
@@ -281,10 +319,16 @@ class Scheduler:
             chunk.num_spec = k
             left.tokens -= k
 
+    def _reads_cache(self, req: Request) -> bool:
+        """Whether `req` may take its first blocks from the prefix cache. A request that still wants its
+        prompt's logprobs computes every position (a cached block has no logits), as vLLM does."""
+        return (self.config.enable_prefix_caching and not req.block_table and not req.num_computed_tokens
+                and (req.params.prompt_logprobs is None or req.prompt_logprobs_sent))
+
     def _cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding `req`'s first tokens, for a request starting from nothing. The last
         token is always computed: its logits give the next token."""
-        if not self.config.enable_prefix_caching or req.block_table or req.num_computed_tokens:
+        if not self._reads_cache(req):
             return []
         n = (req.num_tokens - 1) // self.block_manager.block_size
         return self.block_manager.lookup(req.full_block_keys(n, self.block_manager.block_size)) if n else []

@@ -63,7 +63,7 @@ class Speculator:
             req.spec_token_ids = []
             if req.num_tokens - req.num_computed_tokens > 1:
                 prefilling = True
-            elif not req.prefill_only and req.params.speculative:
+            elif not req.prefill_only and req.params.can_speculate:  # logprobs, grammars, penalties: never
                 eligible.append(req)
         # A step with prompt tokens does not teach the cost model (`LLMEngine.step` records decode-only
         # steps), so it does not explore: behind a burst of prompts, exploring drafts were pure cost.

@@ -299,7 +299,8 @@ def test_dynamic_batch_starts_after_max_wait(tiny_model_dir):
 
 
 def test_priority_runs_first(tiny_model_dir):
-    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_num_seqs=1))
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_num_seqs=1,
+                                 scheduling_policy="priority"))
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     eng.add_request("low", [3, 4], sp, priority=5)
     eng.add_request("high", [3, 4], sp, priority=-1)
@@ -313,7 +314,8 @@ def test_earlier_arrival_runs_first_within_a_priority(tiny_model_dir):
     """A request resumed after its worker died carries its first arrival: it goes ahead of newer ones."""
     import time
 
-    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_num_seqs=1))
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_num_seqs=1,
+                                 scheduling_policy="priority"))
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     eng.add_request("new", [3, 4], sp)
     eng.add_request("resumed", [3, 4, 5], sp, arrival_time=time.monotonic() - 10.0)

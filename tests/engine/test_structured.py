@@ -1,0 +1,171 @@
+"""Structured outputs (xgrammar): every output of a constrained request matches its grammar at any
+temperature, bad specs are refused naming their field, compiled grammars are cached, a resumed request
+continues its grammar, constrained requests never speculate, and a failing matcher fails its request alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from unittest import mock
+
+import jsonschema
+import pytest
+
+from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
+from engine.structured import GrammarCache, GrammarState, StructuredSpec
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tag": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "ok", "tag"],
+    "additionalProperties": False,
+}
+PROMPTS = [[5, 6, 7], [100, 200, 300, 400], [9] * 7, [4000, 31, 2]]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=tiny_model_dir("llama"), dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=300)
+
+
+@pytest.fixture(autouse=True)
+def _integrity(request):
+    yield
+    if "llm" in request.fixturenames:
+        eng = request.getfixturevalue("llm").engine
+        eng.check_integrity()
+        assert eng.block_manager.num_used_blocks == 0
+
+
+def _run(llm, spec: StructuredSpec, temperature: float, max_tokens: int = 160):
+    params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=s, structured=spec)
+              for s in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params)
+    assert all(o.finish_reason == "stop" for o in outs), [(o.finish_reason, o.text, o.error) for o in outs]
+    return [o.text for o in outs]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 2.0])
+def test_json_schema_outputs_validate(llm, temperature):
+    for text in _run(llm, StructuredSpec("json_schema", json.dumps(SCHEMA)), temperature):
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 2.0])
+def test_json_object_regex_choice_and_grammar(llm, temperature):
+    spec = StructuredSpec("json_object")
+    params = [SamplingParams(max_tokens=120, temperature=temperature, seed=s, structured=spec) for s in range(4)]
+    for o in llm.generate(PROMPTS, params):  # free-form JSON may run to max_tokens; whatever ends is JSON
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict)
+    pattern = r"[a-c]{2,5}-[0-9]{3}"
+    assert all(re.fullmatch(pattern, t) for t in _run(llm, StructuredSpec("regex", pattern), temperature))
+    choices = ["yes", "no", 'say "maybe"\n']
+    texts = _run(llm, StructuredSpec("choice", json.dumps(choices)), temperature)
+    assert all(t in choices for t in texts)
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    assert all(re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", t)
+               for t in _run(llm, StructuredSpec("grammar", grammar), temperature, max_tokens=200))
+
+
+@pytest.mark.parametrize("spec,field", [
+    (StructuredSpec("json_schema", "{not json"), "response_format"),
+    (StructuredSpec("json_schema", json.dumps({"type": 5})), "response_format"),
+    (StructuredSpec("regex", "(((ab"), "guided_regex"),
+    (StructuredSpec("choice", "[]"), "guided_choice"),
+    (StructuredSpec("choice", '["a", 3]'), "guided_choice"),
+    (StructuredSpec("grammar", 'root ::= "a" |'), "guided_grammar"),
+    (StructuredSpec("grammar", 'start ::= "a"'), "guided_grammar"),
+])
+def test_bad_specs_are_refused_naming_the_field(llm, spec, field):
+    eng = llm.engine
+    with pytest.raises(InvalidRequestError) as exc:
+        eng.add_request("bad", [5, 6], SamplingParams(structured=spec))
+    assert exc.value.field == field and not eng.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError):
+        StructuredSpec("yaml", "")
+    assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # still serving
+
+
+def test_compiled_grammars_are_cached_lru(llm):
+    cache = GrammarCache(llm.tokenizer, llm.engine.vocab_size, [llm.tokenizer.eos_token_id], max_entries=2)
+    a, b, c = (StructuredSpec("regex", p) for p in ("a+", "b+", "c+"))
+    assert cache.compile(a) is cache.compile(a) and cache.num_compiled == 1
+    cache.compile(b)
+    cache.compile(a)  # a is now the most recent: c evicts b
+    cache.compile(c)
+    cache.compile(a)
+    assert cache.num_compiled == 3
+    cache.compile(b)
+    assert cache.num_compiled == 4
+
+
+def test_resumed_request_continues_its_grammar(tiny_model_dir):
+    kw = dict(model=tiny_model_dir("llama"), dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=300)
+    pre, dec = LLMEngine(**kw), LLMEngine(**kw)
+    spec = StructuredSpec("json_schema", json.dumps(SCHEMA))
+    params = SamplingParams(max_tokens=160, temperature=1.0, seed=7, structured=spec)
+    prompt = PROMPTS[1]
+    pre.add_request("r", prompt, params, prefill_only=True)
+    first = [o for o in pre.step() if o.request_id == "r"][0]
+    ids = dec.allocate_blocks(len(prompt))
+    dec.runner.kv_cache[ids] = pre.runner.kv_cache[first.block_ids]
+    pre.release_prefilled("r")
+    with pytest.raises(InvalidRequestError) as exc:  # tokens the grammar does not allow
+        dec.add_prefilled_request("x", prompt, [first.token_ids[0], 999], params, ids, len(prompt))
+    assert exc.value.field == "output_token_ids"
+    dec.add_prefilled_request("r", prompt, first.token_ids, params, ids, len(prompt))
+    done = None
+    while dec.has_unfinished_requests():
+        done = [o for o in dec.step() if o.finished] or done
+    assert done[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(done[0].text), SCHEMA)
+    dec.check_integrity()
+
+
+def test_constrained_requests_do_not_speculate(tiny_model_dir):
+    llm = LLM(model=tiny_model_dir("llama"), dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=300,
+              speculative_method="ngram", speculative_adaptive=False)
+    spec = StructuredSpec("regex", "(ab){20}")
+    out = llm.generate([[7, 8, 9, 7, 8, 9, 7, 8, 9]], SamplingParams(max_tokens=80, temperature=0, structured=spec))[0]
+    assert out.text == "ab" * 20 and llm.engine.spec_stats().num_drafted == 0
+
+
+def test_mixed_batch_and_a_failing_matcher_fails_alone(llm):
+    spec = StructuredSpec("regex", "[0-9]{4}")
+    plain = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=5, temperature=0))[0]
+    real_fill = GrammarState.fill_mask
+    calls = []
+
+    def flaky(self, bitmask, index):
+        calls.append(index)
+        if len(calls) == 2:
+            raise RuntimeError("matcher broke")
+        real_fill(self, bitmask, index)
+
+    params = [SamplingParams(max_tokens=5, temperature=0), SamplingParams(max_tokens=8, temperature=0, structured=spec),
+              SamplingParams(max_tokens=8, temperature=0, structured=spec)]
+    with mock.patch.object(GrammarState, "fill_mask", flaky):
+        outs = llm.generate(PROMPTS[:1] * 3, params)
+    assert outs[0].token_ids == plain.token_ids
+    reasons = sorted(o.finish_reason for o in outs[1:])
+    assert reasons == ["error", "stop"]
+    bad = [o for o in outs[1:] if o.finish_reason == "error"][0]
+    good = [o for o in outs[1:] if o.finish_reason == "stop"][0]
+    assert "structured" in bad.error and re.fullmatch("[0-9]{4}", good.text)
+
+
+def test_bounded_strings_refuse_control_characters(llm):
+    """xgrammar 0.2.8 lets raw control characters into length-bounded strings; the engine's schema
+    rewrite keeps them out (the output would not be JSON)."""
+    state = llm.engine.grammars.new_state(StructuredSpec("json_schema", json.dumps(SCHEMA)))
+    assert not state.matcher.accept_string('{"name": "ab\x07')
+    assert state.matcher.accept_string('{"name": "abc", "age": 7, "ok": true, "tag": "red"}')
+    state = llm.engine.grammars.new_state(StructuredSpec("json_schema", json.dumps(SCHEMA)))
+    assert state.matcher.accept_string('{"name": "abcdef')
+    assert not state.matcher.accept_string('g')  # still at most 6 characters
