@@ -28,8 +28,10 @@ NAMESPACE = "pdserve"
 
 
 def get_or_create_router(config: ServeConfig) -> Any:
-    """The one router of this cluster (a detached named actor; it owns the worker pools)."""
-    return RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(config)
+    """The one router of this cluster (a detached named actor; it owns the worker pools), on a node
+    with `config.router_resources` when they are set."""
+    return RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
+                               resources=dict(config.router_resources) or None).remote(config)
 
 
 def shutdown_router(timeout_s: float = 30.0) -> None:
@@ -69,7 +71,8 @@ class OpenAIIngress:
         tokenizer = load_tokenizer(cfg.engine.model, cfg.engine.dtype, cfg.engine.cache_dir)
         self.backend = RouterBackend(self.router, self.hub, hub_id, cfg.request_timeout_s)
         self._asgi = build_openai_app(self.backend, tokenizer, cfg.served_model_name, info.max_model_len,
-                                      api_key=cfg.api_key, vocab_size=info.vocab_size)
+                                      api_key=cfg.api_key, vocab_size=info.vocab_size,
+                                      scheduling_policy=cfg.engine.scheduling_policy)
 
     def __serve_build_asgi_app__(self):
         # NOTE: built per replica after __init__, so the app holds this replica's backend and hub.
@@ -98,7 +101,7 @@ def _router_serving_state(config: dict):
     backend = RouterBackend(router, hub, f"hub-{uuid.uuid4().hex[:8]}", cfg.request_timeout_s)
     return ServingState(backend, load_tokenizer(cfg.engine.model, cfg.engine.dtype, cfg.engine.cache_dir),
                         cfg.served_model_name,
-                        info.max_model_len, info.vocab_size)
+                        info.max_model_len, info.vocab_size, cfg.engine.scheduling_policy)
 
 
 def build_grpc_app(args: dict | None = None) -> serve.Application:
@@ -108,8 +111,7 @@ def build_grpc_app(args: dict | None = None) -> serve.Application:
     from deployments.frontend.grpc_app import GRPCIngress
 
     cfg = ServeConfig.from_dict(args or {})
-    # NOTE: 0 CPUs like the HTTP ingress: the workers hold the CPUs, the ingress only relays.
-    return GRPCIngress.options(ray_actor_options={"num_cpus": 0}, **cfg.ingress_options()).bind(
+    return GRPCIngress.options(ray_actor_options=cfg.ingress_actor_options(), **cfg.ingress_options()).bind(
         functools.partial(_router_serving_state, cfg.to_dict()), api_key=cfg.api_key)
 
 
@@ -117,4 +119,5 @@ def build_app(args: dict | None = None) -> serve.Application:
     """Build the pdserve application from a settings dict: `pdserve serve`'s flag names with
     underscores (README "Server settings"). Raises ServeConfigError on an unknown or bad setting."""
     cfg = ServeConfig.from_dict(args or {})
-    return OpenAIIngress.options(**cfg.ingress_options()).bind(cfg.to_dict())
+    return OpenAIIngress.options(ray_actor_options=cfg.ingress_actor_options(),
+                                 **cfg.ingress_options()).bind(cfg.to_dict())

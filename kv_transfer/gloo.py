@@ -5,15 +5,27 @@ any number of pairs at once, and pairs come and go with scaling.
 
     exporter (rank 0)                         importer (rank 1)
     listen(peer) -> (host, port) ---------->  connect(peer, (host, port))
-      TCPStore(is_master, port 0)               TCPStore(client)
+      TCPStore(is_master) on a socket           TCPStore(client)
+        bound to host only
       ProcessGroupGloo(rank 0)  <-- rendezvous --> ProcessGroupGloo(rank 1)
       (in a thread: it blocks until the peer joins)
+      waits for JOINED_KEY  <-------------------  sets JOINED_KEY
+      both drop their store: its listener closes
+
+What listens, and for how long (checked with `ss -ltn` on torch 2.13, tests/kv_transfer/test_gloo_listeners.py):
+- the rendezvous store. `TCPStore(host, ..., is_master=True)` listens on every interface whatever
+  `host` says, so the master gets a socket bound to `host` alone (`master_listen_fd`). It lives
+  only until both ranks have formed the group: the group keeps no reference to it (it holds a
+  `_DroppableStore` whose inner store is let go), and the group never uses it again.
+- each rank's gloo device, bound to `host` (`create_device(hostname=host)`), until the channel
+  closes (`close` aborts the group and drops it, which closes the device's socket).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import threading
 
 import torch
@@ -23,6 +35,62 @@ from kv_transfer.errors import KVTransferError, PeerDiedError, TransferTimeoutEr
 from kv_transfer.transport import Channel, Pending, Transport
 
 logger = logging.getLogger(__name__)
+
+
+JOINED_KEY = "pdserve-kv-joined"  # set by rank 1 once its group is formed: rank 0 may drop the store
+
+
+class _DroppableStore(dist.Store):
+    """What the group gets instead of the TCP store itself: once the group is formed, `drop` lets go of
+    the store, so that it is destroyed (and the master's listener closed) although the group lives on."""
+
+    def __init__(self, inner: dist.Store):
+        super().__init__()
+        self._inner: dist.Store | None = inner
+
+    def _store(self) -> dist.Store:
+        if self._inner is None:
+            raise RuntimeError("the rendezvous store is closed")
+        return self._inner
+
+    def drop(self) -> None:
+        self._inner = None
+
+    def set(self, key, value):
+        return self._store().set(key, value)
+
+    def get(self, key):
+        return self._store().get(key)
+
+    def add(self, key, value):
+        return self._store().add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._store().compare_set(key, expected, desired)
+
+    def wait(self, keys, timeout=None):
+        return self._store().wait(keys) if timeout is None else self._store().wait(keys, timeout)
+
+    def check(self, keys):
+        return self._store().check(keys)
+
+    def delete_key(self, key):
+        return self._store().delete_key(key)
+
+    def num_keys(self):
+        return self._store().num_keys()
+
+    def set_timeout(self, timeout):
+        return self._store().set_timeout(timeout)
+
+
+def _master_store(host: str, timeout_s: float) -> dist.TCPStore:
+    """A TCP store master listening on `host` only (not every interface, as TCPStore binds by itself)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, 0), family=family, backlog=16)
+    # NOTE: the store owns the descriptor from here on and closes it when it is destroyed
+    return dist.TCPStore(host, 0, 2, True, timeout=_td(timeout_s), wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -52,23 +120,45 @@ class GlooChannel(Channel):
     def __init__(self, peer: str, rank: int, store: dist.Store, timeout_s: float):
         super().__init__(peer)
         self.rank = rank
-        self.store = store  # NOTE: keep the store alive as long as the group: rank 0 hosts it
+        self.store: _DroppableStore | None = _DroppableStore(store)  # until the group is formed
         self.timeout_s = timeout_s
         self._pg: dist.ProcessGroupGloo | None = None
         self._ready = threading.Event()
         self._error: Exception | None = None
 
     def _rendezvous(self, host: str) -> None:
+        store, pg = self.store, None
         try:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = _td(self.timeout_s)
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            self._pg = dist.ProcessGroupGloo(dist.PrefixStore("pdserve-kv", self.store), self.rank, 2, opts)
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("pdserve-kv", store), self.rank, 2, opts)
+            if self.rank == 1:
+                store.set(JOINED_KEY, b"1")
+            else:  # the store must outlive the peer's last use of it
+                store.wait([JOINED_KEY], _td(self.timeout_s))
+            if self.broken:  # closed while the peer joined
+                pg.abort()
+            else:
+                self._pg = pg
         except Exception as e:
+            if pg is not None and self._pg is not pg:
+                pg.abort()
             self._error = e
             self.broken = True
         finally:
+            self._drop_store()
             self._ready.set()
+
+    def _drop_store(self) -> None:
+        store, self.store = self.store, None
+        if store is not None:
+            store.drop()
+
+    @property
+    def listening(self) -> bool:
+        """Whether this channel still holds its rendezvous store (rank 0: a listening socket)."""
+        return self.store is not None
 
     def _group(self) -> dist.ProcessGroupGloo:
         if not self._ready.wait(self.timeout_s):
@@ -103,9 +193,11 @@ class GlooChannel(Channel):
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
-                pg.abort()  # wakes any thread still blocked on this group, closes the sockets
+                pg.abort()  # wakes any thread still blocked on this group
             except Exception:  # already torn down by the peer
                 logger.debug("abort of gloo channel to %s failed", self.peer, exc_info=True)
+        # NOTE: the group's device socket closes once the last reference to the group goes (the one
+        # dropped here, and those of finished operations); a rendezvous under way drops its store itself
 
 
 class GlooTransport(Transport):
@@ -122,12 +214,14 @@ class GlooTransport(Transport):
 
         Replaces any existing channel to `peer`; the group forms in the background once it joins.
         """
-        store = dist.TCPStore(self.host, 0, 2, True, timeout=_td(self.timeout_s), wait_for_workers=False)
+        store = _master_store(self.host, self.timeout_s)
+        port = store.port
         ch = GlooChannel(peer, 0, store, self.timeout_s)
+        del store  # the channel holds it until the group is formed
         threading.Thread(target=ch._rendezvous, args=(self.host,), daemon=True,
                          name=f"gloo-listen-{peer}").start()
         self._add(ch)
-        return self.host, store.port
+        return self.host, port
 
     def connect(self, peer: str, address: tuple[str, int]) -> None:
         """Join the channel `peer` is hosting at `address` = (host, port), as rank 1; blocks until it
@@ -138,6 +232,7 @@ class GlooTransport(Transport):
         except Exception as e:
             raise _typed(e, f"connect to {peer!r} at {host}:{port}") from e
         ch = GlooChannel(peer, 1, store, self.timeout_s)
+        del store
         ch._rendezvous(self.host)
         ch._group()
         self._add(ch)

@@ -23,10 +23,23 @@ memory with non-blocking copies on the channel's stream: no synchronizing copy i
 NCCL has no timeouts of its own: `wait` polls the `done` event until the deadline, then aborts the
 communicator (which fails every operation still queued on it), and the protocol treats the channel
 as broken. NCCL cannot pair two ranks on one device: a pair needs two GPUs.
+
+What listens: `get_unique_id` starts NCCL's bootstrap root, a socket on the interface NCCL picks
+(the first one up, loopback and docker ones excluded, unless NCCL_SOCKET_IFNAME says), and the
+communicator's own bootstrap and proxy sockets on the same interface. `pin_interface(node ip)` makes
+that the interface carrying the node's cluster address (NCCL_SOCKET_IFNAME, unless the operator set
+it). The root's socket lives until both ranks joined, the others until `close` aborts the
+communicator. A peer that never joins leaves the root (and rank 0's init thread) waiting: NCCL's
+blocking init cannot be aborted; the router's `kv_forget_peer` cannot reach it either.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +48,36 @@ import torch
 
 from kv_transfer.errors import PeerDiedError, TransferTimeoutError
 from kv_transfer.transport import Channel, Pending, Transport
+
+
+logger = logging.getLogger(__name__)
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's network interface that holds IPv4 `address` (None: no such one)."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name[:15].encode()))
+            except OSError:  # down, or no IPv4 address
+                continue
+        if socket.inet_ntoa(raw[20:24]) == address:
+            return name
+    return None
+
+
+def pin_interface(address: str) -> str | None:
+    """Make NCCL's sockets (the unique-id root, bootstrap, proxy) listen on the interface holding the
+    node's cluster `address` only: NCCL_SOCKET_IFNAME="=<name>" (exact match), unless the operator
+    set it already. Call before the process's first NCCL call. Returns the value in force."""
+    if "NCCL_SOCKET_IFNAME" not in os.environ:
+        name = interface_of(address)
+        if name is not None:
+            os.environ["NCCL_SOCKET_IFNAME"] = f"={name}"
+        else:
+            logger.warning("no interface holds %s; NCCL picks its own (set NCCL_SOCKET_IFNAME)", address)
+    return os.environ.get("NCCL_SOCKET_IFNAME")
 
 
 def _nccl():

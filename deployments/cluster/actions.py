@@ -79,10 +79,13 @@ class ReleaseKV:
 
 @dataclass(frozen=True, slots=True)
 class AbortOn:
-    """`abort(request_id)` on worker `worker_id`."""
+    """`abort(request_id, attempt)` on worker `worker_id`: only that attempt (None: any) ends there, so
+    an abort meant for an attempt the router gave up on never ends the one that replaced it."""
 
     worker_id: str
     request_id: str
+    attempt: int | None = None
+    in_flight: bool = False  # its admit / resume may not have reached the worker yet
 
 
 Action = Union[ToPrefill, RunWhole, AdmitKV, EndStream, ReleaseKV, AbortOn]

@@ -47,6 +47,7 @@ from typing import Any, Callable
 import ray
 
 from engine import LLMEngine, RequestOutput
+from kv_transfer.nccl import pin_interface
 from kv_transfer import (KVHandle, KVLayout, KVReceiver, KVSender, KVTransferError, LeaseTable, PeerDiedError,
                          TransferTimeoutError, make_transport)
 
@@ -55,6 +56,14 @@ logger = logging.getLogger(__name__)
 
 def _node_ip(host: str | None) -> str:
     return host or ray.util.get_node_ip_address()
+
+
+def _transport(device: Any, node_ip: str, timeout_s: float) -> Any:
+    """The KV transport for a cache on `device`; its listeners bind to `node_ip`, the node's cluster
+    address, only (gloo: given it; NCCL: through the interface holding it, `pin_interface`)."""
+    if getattr(device, "type", str(device).split(":")[0]) == "cuda":
+        pin_interface(node_ip)
+    return make_transport(device, node_ip, timeout_s)
 
 
 class KVExporter:
@@ -73,8 +82,8 @@ class KVExporter:
         self._free = free or engine.release_prefilled
         self._ended: collections.deque[str] = collections.deque()  # leases ended, blocks not yet freed
         kv_cache = engine.runner.kv_cache
-        # gloo for a CPU cache, NCCL for a CUDA one (kv_transfer.make_transport)
-        self.transport = make_transport(kv_cache.device, _node_ip(host), timeout_s)
+        # per peer: gloo for a CPU cache; NCCL, or staged gloo for a peer on the same GPU, for a CUDA one
+        self.transport = _transport(kv_cache.device, _node_ip(host), timeout_s)
         self.leases = LeaseTable(worker_id, KVLayout.of(kv_cache), self._release_blocks, lease_s)
         self.sender = KVSender(self.transport, kv_cache, self.leases, timeout_s)
 
@@ -109,10 +118,11 @@ class KVExporter:
         """Lease blocks the caller holds a reference on (`free(lease_id)` drops it when the lease ends)."""
         return self.leases.grant(lease_id, block_ids, num_tokens, -1, lease_s)
 
-    def open_channel(self, peer_id: str) -> Any:
-        """Host a fresh channel to decode worker `peer_id`; returns the address it connects to
-        ((node ip, port) for gloo, the unique id for NCCL)."""
-        return self.transport.listen(peer_id)
+    def open_channel(self, peer_id: str, peer_device: str | None = None) -> Any:
+        """Host a fresh channel to decode worker `peer_id`, whose KV cache is on device `peer_device`
+        (`kv_transfer.factory.device_id`; None: a CPU); returns the address it connects to (the wire
+        the pair of devices needs, with (node ip, port) for gloo or the unique id for NCCL)."""
+        return self.transport.listen(peer_id, peer_device)
 
     def push(self, handle: KVHandle, peer_id: str) -> None:
         """Send `handle`'s blocks to `peer_id` (which is in `KVImporter.pull`); returns after its ack."""
@@ -131,19 +141,42 @@ class KVExporter:
         return {"num_sent": s.num_sent, "num_failed": s.num_failed, "bytes_sent": s.bytes_sent,
                 "num_leases": len(self.leases)}
 
+    def forget(self, peer_id: str) -> None:
+        """`peer_id` is dead or drained: close the channel to it (and its sockets)."""
+        self.transport.drop(peer_id)
+
     def close(self) -> None:
         self.transport.close()
         self.leases.release_all()
         self.free_released()
 
 
+def channel_peers(transport: Any) -> list[str]:
+    """The peers `transport` holds a channel to, open or broken (what `kv_channels` reports)."""
+    with transport._lock:  # NOTE: Transport has no public listing; read under its own lock
+        return sorted(transport._channels)
+
+
 class KVExportMixin:
-    """The actor methods `KVImporter.pull` calls on a prefill actor. The actor sets `self.kv_exporter`."""
+    """The actor methods `KVImporter.pull` calls on a prefill actor, and the ones the router calls on
+    any worker about its KV channels. The actor sets `self.kv_exporter` (and `self.kv_importer`)."""
 
     kv_exporter: KVExporter
+    kv_importer: KVImporter
 
-    def kv_open_channel(self, peer_id: str) -> Any:
-        return self.kv_exporter.open_channel(peer_id)
+    def kv_forget_peer(self, peer_id: str) -> None:
+        """The router saw `peer_id` die or leave its pool: close both channels to it, so that no
+        socket stays open to a peer that is gone (a peer that comes back gets fresh ones)."""
+        self.kv_exporter.forget(peer_id)
+        self.kv_importer.forget(peer_id)
+
+    def kv_channels(self) -> dict[str, list[str]]:
+        """The peers this worker holds KV channels to, by direction (tests, leak checks)."""
+        return {"export": channel_peers(self.kv_exporter.transport),
+                "import": channel_peers(self.kv_importer.transport)}
+
+    def kv_open_channel(self, peer_id: str, peer_device: str | None = None) -> Any:
+        return self.kv_exporter.open_channel(peer_id, peer_device)
 
     def kv_push(self, handle: KVHandle, peer_id: str) -> None:
         self.kv_exporter.push(handle, peer_id)
@@ -164,7 +197,7 @@ class KVImporter:
         self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
         self._on_blocks = on_blocks or self._locked
         self.timeout_s = timeout_s
-        self.transport = make_transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s)
+        self.transport = _transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s)
         self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s)
         self._open_locks: dict[str, threading.Lock] = {}
         self._open_locks_lock = threading.Lock()
@@ -195,7 +228,10 @@ class KVImporter:
             if self.transport.has_channel(peer):
                 return
             try:
-                address = ray.get(exporter.kv_open_channel.remote(self.worker_id), timeout=timeout_s)
+                # The exporter picks the backend from both devices (one GPU: staged gloo, not NCCL).
+                device = self.transport.device_id
+                mine = {"peer_device": device} if device is not None else {}
+                address = ray.get(exporter.kv_open_channel.remote(self.worker_id, **mine), timeout=timeout_s)
             except ray.exceptions.GetTimeoutError:
                 raise TransferTimeoutError(f"{peer} did not open a KV channel in {timeout_s:.1f}s") from None
             except ray.exceptions.RayActorError as e:
@@ -268,6 +304,12 @@ class KVImporter:
         self._reap_pushes()
         r = self.receiver
         return {"num_received": r.num_received, "num_failed": r.num_failed, "bytes_received": r.bytes_received}
+
+    def forget(self, peer_id: str) -> None:
+        """`peer_id` is dead or drained: close the channel to it (and its sockets)."""
+        with self._open_locks_lock:
+            self._open_locks.pop(peer_id, None)
+        self.transport.drop(peer_id)
 
     def close(self) -> None:
         self.transport.close()

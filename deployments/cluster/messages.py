@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from engine import SamplingParams
+from engine.request import TokenLogprob
+from engine.spec import SpecStats
 from kv_transfer import KVHandle
 
 
@@ -63,6 +65,12 @@ class StreamEvent:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefill found in the prefix cache (first event counts)
+    # With params.logprobs: one engine TokenLogprob per token of token_ids (the prefill worker's event
+    # carries the first token's).
+    logprobs: list[TokenLogprob] | None = None
+    # With params.prompt_logprobs: one per prompt token ([0] None), on the prefill's event only; never
+    # on a migrated request's (offset > 0: the client has them).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +87,7 @@ class DecodeReport:
     step_s: float = 0.0
     num_preempted: int = 0
     prefill_backlog: int = 0  # prompt tokens still to compute here (local prefills, moved sequences)
+    spec: SpecStats | None = None  # speculative decoding's counters since the worker started (for /health)
 
 
 class SubmitResult(NamedTuple):
@@ -133,6 +142,7 @@ class Admission(NamedTuple):
 
     accepted: bool
     reason: str = ""
+    retry: bool = False  # refused for a reason of the moment (a failed KV pull): placing it again may work
 
 
 class BackupTo(NamedTuple):

@@ -174,13 +174,13 @@ class Placement:
         if t.stage is Stage.PREFILL:
             self.prefill_done(t)
             if (t.worker_id or "") in self.state.prefill:
-                return [AbortOn(t.worker_id, request_id)]
+                return [AbortOn(t.worker_id, request_id, t.req.attempt)]
         elif t.stage is Stage.PENDING_DECODE:
             if (t.prefill_worker_id or "") in self.state.prefill and t.handle is not None:
                 return [ReleaseKV(t.prefill_worker_id, request_id, t.handle.epoch)]
         elif t.stage in (Stage.ADMITTING, Stage.DECODE):
             if (t.worker_id or "") in self.state.decode:
-                return [AbortOn(t.worker_id, request_id)]
+                return [AbortOn(t.worker_id, request_id, t.req.attempt, t.stage is Stage.ADMITTING)]
         return []
 
     # ------------------------------------------------------------------ decode admission

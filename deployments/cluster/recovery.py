@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from deployments import metrics
-from deployments.cluster.actions import Action, EndStream
+from deployments.cluster.actions import AbortOn, Action, EndStream, ReleaseKV
 from deployments.cluster.messages import Role, StreamEvent, WorkerSnapshot
 from deployments.cluster.placement import Moves, Placement
 from deployments.cluster.state import RouterState, Stage, Tracked, WorkerView
@@ -135,6 +135,16 @@ class Recovery:
         self.state.tracked.pop(t.req.request_id, None)
         self.state.counters.failed += 1
         return EndStream(t.req, StreamEvent(t.req.request_id, t.req.offset, [], True, "error", message))
+
+    def refused(self, t: Tracked, worker_id: str, reason: str) -> list[Action]:
+        """Decode worker `worker_id` refused `t` (`answers.Outcome.REFUSED`): it cannot start, so its
+        client hears so now. Whatever the attempt left there is aborted, and a lease it was to pull
+        is released."""
+        rid = t.req.request_id
+        actions: list[Action] = [AbortOn(worker_id, rid, t.req.attempt)]
+        if t.handle is not None and (t.prefill_worker_id or "") in self.state.prefill:
+            actions.append(ReleaseKV(t.prefill_worker_id, rid, t.handle.epoch))
+        return [self.fail(t, f"{worker_id} refused the request: {reason}"), *actions]
 
     def requeue(self, t: Tracked, kind: Requeue, delivered: list[int] | None,
                 moving: Moves | None = None) -> list[Action]:

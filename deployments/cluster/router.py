@@ -33,16 +33,15 @@ from typing import Any
 import ray
 
 from deployments import metrics
-from deployments.cluster.actions import (AbortOn, Action, AdmitKV, EndStream, ReleaseKV, RunWhole, ToPrefill)
 from deployments.cluster.decode_worker import DecodeWorker
 from deployments.cluster.introspect import router_stats
-from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, FetchFrom, GenRequest, ModelInfo, Role,
-                                          SubmitResult)
+from deployments.cluster.messages import DecodeReport, GenRequest, ModelInfo, Role, SubmitResult
 from deployments.cluster.placement import Placement
 from deployments.cluster.pools import WORKER_PREFIX, PoolAction, Pools, parse_worker_name
 from deployments.cluster.prefill_worker import PrefillWorker
 from deployments.cluster.prefix_index import PrefixIndex
-from deployments.cluster.recovery import Claim, MovedSettling, Recovery, Requeue
+from deployments.cluster.recovery import MovedSettling, Recovery, Requeue
+from deployments.cluster.router_calls import RouterCalls
 from deployments.cluster.state import RouterState, Stage, Tracked, WorkerView
 from deployments.config import ServeConfig
 from kv_transfer import KVHandle
@@ -55,7 +54,7 @@ REPLACE_WAIT_S = 10.0  # longest a dead decode worker's replacement waits for it
 WORKER_START_TIMEOUT_S = 900.0  # a worker loads its model within this
 
 
-class Router:
+class Router(RouterCalls):
     """The router actor (`RouterActor`). Its API: the ingress calls `wait_ready`, `submit`, `abort`,
     `stats`; workers call `on_prefilled`, `on_finished`, `report_decode`, `on_kv_backup`; tests and
     tools call `workers`, `check_integrity`, `shutdown`."""
@@ -209,90 +208,6 @@ class Router:
     async def abort(self, request_id: str) -> None:
         self._do(self.placement.abort(request_id))
 
-    # ------------------------------------------------------------------ the Ray calls
-    def _do(self, actions: list[Action]) -> None:
-        """Make the calls the plain parts asked for, in order (their bookkeeping is done)."""
-        loop = asyncio.get_event_loop()
-        for a in actions:
-            if isinstance(a, ToPrefill):
-                self.actors[a.worker_id].add.remote(a.tracked.req)
-            elif isinstance(a, RunWhole):
-                backup = fetch = None
-                if a.backup is not None:
-                    backup = BackupTo(a.backup.worker_id, self.actors[a.backup.worker_id], a.backup.first_block)
-                if a.fetch is not None:
-                    fetch = FetchFrom(a.fetch.worker_id, self.actors[a.fetch.worker_id], a.fetch.num_tokens)
-                ref = self.actors[a.worker.worker_id].resume.remote(a.tracked.req, backup, fetch)
-                loop.create_task(self._resumed(a, ref))
-            elif isinstance(a, AdmitKV):
-                ref = self.actors[a.worker.worker_id].admit.remote(a.tracked.req, a.tracked.handle,
-                                                                   self.actors[a.prefill_worker_id])
-                loop.create_task(self._admitted(a, ref))
-            elif isinstance(a, EndStream):
-                a.req.hub.push.remote([a.event])
-            elif isinstance(a, ReleaseKV):
-                self.actors[a.worker_id].kv_release.remote(a.request_id, a.epoch)
-            elif isinstance(a, AbortOn):
-                self.actors[a.worker_id].abort.remote(a.request_id)
-            else:
-                raise AssertionError(f"unknown action {a!r}")
-
-    async def _admitted(self, a: AdmitKV, ref: Any) -> None:
-        rid, w = a.tracked.req.request_id, a.worker
-        try:
-            res = await asyncio.wait_for(ref, self.config.kv_transfer_timeout_s * 2 + 5)
-        except Exception as exc:  # noqa: BLE001 - a dead or stuck decode worker: re-prefill elsewhere
-            logger.warning("admit of %s on %s failed: %r", rid, w.worker_id, exc)
-            res = Admission(False, repr(exc))
-        w.unreserve(a.need, res.accepted)
-        t = self.state.tracked.get(rid)
-        if t is not None and t.stage is Stage.ADMITTING and t.worker_id == w.worker_id:
-            if res.accepted:
-                t.stage = Stage.DECODE
-            else:
-                self.state.counters.transfer_failures += 1
-                metrics.count_transfer_failure()
-                await self._requeue(t, "KV transfer failed", Requeue.RETRY)
-        self._do(self.placement.admit())
-
-    async def _resumed(self, a: RunWhole, ref: Any) -> None:
-        t, w = a.tracked, a.worker
-        try:  # a fetch of the cached prefix takes a lease call and a pull, each with this timeout
-            res: Admission | None = await asyncio.wait_for(ref, self.config.kv_transfer_timeout_s * 2 + 5)
-        except Exception as exc:  # noqa: BLE001 - it died too: the death watch moves it again
-            logger.warning("run of %s on %s failed: %r", t.req.request_id, w.worker_id, exc)
-            res = None
-        w.unreserve(a.need, res is not None and res.accepted, a.own)
-        if self.state.tracked.get(t.req.request_id) is not t or t.stage is not Stage.ADMITTING or \
-                t.worker_id != w.worker_id:
-            return
-        if res is None:
-            await self._requeue(t, f"run on {w.worker_id} failed", Requeue.MIGRATION)
-        elif res.accepted:
-            t.stage = Stage.DECODE
-        elif self.config.colocated:  # the engine refused it: there is nowhere else it could run
-            self._do([self.recovery.fail(t, f"{w.worker_id} refused the request: {res.reason}")])
-        else:
-            self._do(self.placement.place_prefill(t, allow_local=False))
-        self._do(self.placement.admit())
-
-    async def _requeue(self, t: Tracked, why: str, kind: Requeue) -> None:
-        """Place `t` again from its prompt plus every token its client already has."""
-        claim = self.recovery.claim(t)
-        if claim is Claim.EXHAUSTED:
-            self._do([self.recovery.give_up(t, why)])
-        if claim is not Claim.GO:
-            return
-        delivered = await self._delivered(t.req)
-        self._do(self.recovery.requeue(t, kind, delivered))
-
-    async def _delivered(self, req: GenRequest) -> list[int] | None:
-        """The tokens `req`'s client already has (None: its ingress replica is gone, and so is it)."""
-        try:
-            return await asyncio.wait_for(req.hub.delivered.remote(req.request_id), 10)
-        except Exception:  # noqa: BLE001
-            return None
-
     # ------------------------------------------------------------------ failures
     async def _monitor(self) -> None:
         while True:
@@ -312,6 +227,7 @@ class Router:
         if not self.state.remove_worker(w):
             return
         actor = self.actors.pop(w.worker_id)
+        self._forget_peer(w.worker_id)
         self.state.counters.worker_deaths += 1
         metrics.count_worker_death(w.role.value)
         logger.warning("%s died (%s); moving its requests", w.worker_id, why)
@@ -360,6 +276,7 @@ class Router:
                 return
             with contextlib.suppress(Exception):
                 ray.kill(self.actors.pop(w.worker_id))
+            self._forget_peer(w.worker_id)
             n = len(self.state.pools[w.role])
             self.pools.record(w.role, PoolAction.REPLACE, n + 1, n, f"{w.worker_id} failed to start: {exc!r:.200}")
             await asyncio.sleep(min(30.0, 2.0 * 2 ** attempt))
@@ -374,6 +291,7 @@ class Router:
                 asyncio.get_event_loop().create_task(self._bring_up(self._start_worker(w)))
             for w in self.pools.finished_drains():
                 actor = self.actors.pop(w.worker_id)
+                self._forget_peer(w.worker_id)
                 try:
                     await asyncio.wait_for(actor.close.remote(), 10)
                 except Exception:  # noqa: BLE001

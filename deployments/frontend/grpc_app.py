@@ -44,11 +44,15 @@ from google.protobuf import unknown_fields
 
 from deployments.frontend.auth import bearer_matches
 from deployments.frontend.backend import GenerateBackend, LocalEngineBackend, QueueFullError
+from deployments.frontend.fanout import MAX_N, FanOut
 from deployments.frontend.grpc import pdserve_pb2
+from deployments.frontend.logprobs_format import TokenText, clamp
 from deployments.frontend.prepare import (
     PreparedRequest, PromptInput, PromptKind, SamplingInput, ServedModel, UnknownModelError, prepare_off_loop)
-from deployments.frontend.text_stream import GenerationFailed, TextStream
+from deployments.frontend.structured_request import spec_from_grpc
+from deployments.frontend.text_stream import GenerationFailed, Usage
 from engine import InvalidRequestError
+from engine.structured import StructuredSpec
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +69,7 @@ class ServingState(NamedTuple):
     model_name: str
     max_model_len: int
     vocab_size: int | None = None  # the model's; None: the tokenizer's size (see ServedModel.of)
+    scheduling_policy: str = "fcfs"  # the engines' (EngineConfig.scheduling_policy): fcfs refuses a priority
 
 
 BackendFactory = Callable[[], "ServingState | tuple"]
@@ -90,7 +95,8 @@ def _build_local_backend(model_name: str, max_num_requests: int | None, engine_o
 
     engine = LLMEngine(EngineConfig(**engine_overrides))
     backend = LocalEngineBackend(engine, max_num_requests=max_num_requests)
-    return ServingState(backend, engine.tokenizer, model_name, engine.max_model_len, engine.vocab_size)
+    return ServingState(backend, engine.tokenizer, model_name, engine.max_model_len, engine.vocab_size,
+                        engine.config.scheduling_policy)
 
 
 # ---------------------------------------------------------------------- errors
@@ -129,7 +135,8 @@ UNAUTHENTICATED = GRPCError(grpc.StatusCode.UNAUTHENTICATED,
 # ---------------------------------------------------------------------- request → neutral inputs
 def _refuse_unknown_fields(req: pdserve_pb2.GenerateRequest) -> None:
     """Fields of a newer .proto than this server's are refused, never ignored (as at the HTTP door)."""
-    for field_name, msg in [("request", req), *(("messages", m) for m in req.messages)]:
+    subs = [("structured_output", req.structured_output)] if req.HasField("structured_output") else []
+    for field_name, msg in [("request", req), *(("messages", m) for m in req.messages), *subs]:
         numbers = sorted({f.field_number for f in unknown_fields.UnknownFieldSet(msg)})
         if numbers:
             raise InvalidRequestError(field_name, f"fields {numbers[:8]} are unknown to this server")
@@ -157,7 +164,26 @@ def _sampling_input(req: pdserve_pb2.GenerateRequest) -> SamplingInput:
     return SamplingInput(max_tokens=_optional(req, "max_tokens"), temperature=_optional(req, "temperature"),
                          top_p=_optional(req, "top_p"), top_k=_optional(req, "top_k"), seed=_optional(req, "seed"),
                          stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-                         min_tokens=_optional(req, "min_tokens"))
+                         min_tokens=_optional(req, "min_tokens"), presence_penalty=_optional(req, "presence_penalty"),
+                         frequency_penalty=_optional(req, "frequency_penalty"),
+                         repetition_penalty=_optional(req, "repetition_penalty"), min_p=_optional(req, "min_p"),
+                         logit_bias=dict(req.logit_bias) or None, logprobs=_optional(req, "logprobs"),
+                         prompt_logprobs=_optional(req, "prompt_logprobs"), structured=_structured(req))
+
+
+def _structured(req: pdserve_pb2.GenerateRequest) -> StructuredSpec | None:
+    """The `structured_output` spec, checked (structured_request.py); None when unset."""
+    if not req.HasField("structured_output"):
+        return None
+    return spec_from_grpc(req.structured_output.kind, req.structured_output.value)
+
+
+def num_samples(req: pdserve_pb2.GenerateRequest) -> int:
+    """`n`, checked: 1 when unset."""
+    n = _optional(req, "n")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise GRPCError(grpc.StatusCode.INVALID_ARGUMENT, f"n: must be an integer in [1, {MAX_N}]")
+    return 1 if n is None else n
 
 
 async def prepare_request(req: pdserve_pb2.GenerateRequest, model: ServedModel) -> PreparedRequest:
@@ -171,34 +197,59 @@ async def prepare_request(req: pdserve_pb2.GenerateRequest, model: ServedModel) 
         raise GRPCError.of(e) from None
 
 
+def _proto_logprobs(texts: TokenText, token_ids: list[int], logprobs: list) -> list[pdserve_pb2.TokenLogprob]:
+    """Engine TokenLogprobs (None: the prompt's first token) as protobuf messages."""
+    out = []
+    for token_id, lp in zip(token_ids, logprobs):
+        msg = pdserve_pb2.TokenLogprob(token_id=token_id, token=texts.text(token_id))
+        if lp is not None:
+            msg.logprob = clamp(lp.logprob)
+            msg.top.extend(pdserve_pb2.TopLogprob(token_id=t, logprob=clamp(v), token=texts.text(t)) for t, v in lp.top)
+        out.append(msg)
+    return out
+
+
 # ---------------------------------------------------------------------- the stream
 async def generate_stream(backend: GenerateBackend, model: ServedModel, request_id: str,
-                          prepared: PreparedRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-    """The text stream as response chunks; the last one carries finish_reason and usage.
+                          prepared: PreparedRequest, n: int = 1) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    """The text streams of the `n` samples as response chunks (each with its sample's `index`); each
+    sample's last chunk carries its finish_reason, the call's last chunk also the usage.
 
     `token_ids` are what the model generated; `text` is cut at the first stop string (the tokens that
     spelled it may still appear in `token_ids`). Raises `GRPCError` for refusals and failures.
     """
-    stream = TextStream(backend, request_id, prepared.prompt_token_ids, prepared.params, prepared.priority,
-                        model.tokenizer, prepared.cache_salt)
+    stream = FanOut(backend, request_id, [prepared], n, model.tokenizer)
+    texts = TokenText(model.tokenizer)
+    started: set[int] = set()
+    left = n
     try:
         try:
             await stream.start()
             async for chunk in stream.chunks():
                 out = pdserve_pb2.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
-                                                   finish_reason=chunk.finish_reason or "")
-                if chunk.finish_reason:
-                    usage = stream.usage
-                    out.usage.prompt_tokens = usage.num_prompt_tokens
-                    out.usage.completion_tokens = usage.num_completion_tokens
-                    out.usage.total_tokens = usage.num_prompt_tokens + usage.num_completion_tokens
-                    out.usage.cached_tokens = usage.num_cached_tokens
+                                                   finish_reason=chunk.finish_reason or "", index=chunk.index)
+                if chunk.logprobs is not None:
+                    out.logprobs.extend(_proto_logprobs(texts, chunk.token_ids, chunk.logprobs))
+                prompt_lps = stream.prompt_logprobs(chunk.index)
+                if chunk.index not in started and prompt_lps is not None:
+                    out.prompt_logprobs.extend(_proto_logprobs(texts, prepared.prompt_token_ids, prompt_lps))
+                started.add(chunk.index)
+                left -= bool(chunk.finish_reason)
+                if not left:
+                    _set_usage(out, stream.usage)
                 yield out
         except _NEUTRAL_ERRORS as e:
             raise GRPCError.of(e) from None
     finally:
         # NOTE: a client that goes away cancels this generator: the request must not keep running.
         await stream.close()
+
+
+def _set_usage(out: pdserve_pb2.GenerateResponse, usage: Usage) -> None:
+    out.usage.prompt_tokens = usage.num_prompt_tokens
+    out.usage.completion_tokens = usage.num_completion_tokens
+    out.usage.total_tokens = usage.num_prompt_tokens + usage.num_completion_tokens
+    out.usage.cached_tokens = usage.num_cached_tokens
 
 
 # ---------------------------------------------------------------------- the service
@@ -219,7 +270,8 @@ class GenerationService:
 
     def __init__(self, state: ServingState, api_key: str | None = None):
         self.backend = state.backend
-        self.model = ServedModel.of(state.model_name, state.tokenizer, state.max_model_len, state.vocab_size)
+        self.model = ServedModel.of(state.model_name, state.tokenizer, state.max_model_len, state.vocab_size,
+                                    state.scheduling_policy)
         self.api_key = api_key
 
     def _authorized(self, grpc_context: RayServegRPCContext) -> bool:
@@ -232,8 +284,9 @@ class GenerationService:
         try:
             if not self._authorized(grpc_context):
                 raise UNAUTHENTICATED
+            n = num_samples(request)
             prepared = await prepare_request(request, self.model)
-            async for out in generate_stream(self.backend, self.model, request_id, prepared):
+            async for out in generate_stream(self.backend, self.model, request_id, prepared, n):
                 yield out
         except GRPCError as e:
             raise _fail(grpc_context, e)

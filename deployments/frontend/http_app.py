@@ -4,8 +4,9 @@
 mounts it and may attach the backend and tokenizer later with `configure_openai_app` (everything
 the routes need lives in `app.state.pdserve`).
 
-Per request:  body (openai_protocol.py) → prepare.py: prompt token ids + SamplingParams
-              → text_stream.TextStream over `backend.generate(...)` → http_stream.py: JSON or SSE.
+Per request:  body (openai_protocol.py) → prepare.py: prompt token ids + SamplingParams (per prompt)
+              → fanout.FanOut: one text_stream.TextStream per choice (prompts × n) over `backend.generate`
+              → openai_choices.py: choice objects (echo, logprobs) → http_stream.py: JSON or SSE.
 Errors answer as OpenAI error objects (http_errors.py); the body is read and checked by http_body.py;
 the API key is checked by http_auth.py.
 """
@@ -25,10 +26,11 @@ from deployments.frontend.http_auth import BearerAuth
 from deployments.frontend.http_body import MAX_BODY_BYTES, parse_body
 from deployments.frontend.http_errors import add_error_handlers, api_error
 from deployments.frontend.http_stream import ResponseOptions, respond
-from deployments.frontend.openai_protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList)
-from deployments.frontend.prepare import ServedModel, prepare_off_loop
-from deployments.frontend.text_stream import TextStream
+from deployments.frontend.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
+from deployments.frontend.openai_responses import ModelCard, ModelList
+from deployments.frontend.fanout import FanOut
+from deployments.frontend.openai_choices import ChoiceFormatter, ChoiceOptions
+from deployments.frontend.prepare import PromptInput, PromptKind, ServedModel, prepare_off_loop
 from engine import InvalidRequestError
 
 
@@ -44,6 +46,7 @@ class IngressState:
     # Longest wait for the first token before the request is dropped with 503 (None: no limit).
     max_queue_wait_s: float | None = None
     vocab_size: int | None = None  # the model's; None: the tokenizer's size (see ServedModel.of)
+    scheduling_policy: str = "fcfs"  # the engines' (EngineConfig.scheduling_policy): fcfs refuses a priority
     max_body_bytes: int = MAX_BODY_BYTES  # larger bodies get 413
     # Derived by `configure_openai_app` once tokenizer and max_model_len are known.
     served_model: ServedModel | None = None
@@ -57,7 +60,8 @@ class IngressState:
 
 def build_openai_app(backend: GenerateBackend | None = None, tokenizer: Any = None, model_name: str = "pdserve",
                      max_model_len: int | None = None, api_key: str | None = None,
-                     max_queue_wait_s: float | None = None, vocab_size: int | None = None) -> FastAPI:
+                     max_queue_wait_s: float | None = None, vocab_size: int | None = None,
+                     scheduling_policy: str = "fcfs") -> FastAPI:
     """A FastAPI app serving /v1/completions, /v1/chat/completions, /v1/models and /health.
 
     All arguments may be left out here and set later with `configure_openai_app` (e.g. in a Serve
@@ -70,7 +74,7 @@ def build_openai_app(backend: GenerateBackend | None = None, tokenizer: Any = No
     app.state.pdserve = IngressState()
     configure_openai_app(app, backend=backend, tokenizer=tokenizer, model_name=model_name,
                          max_model_len=max_model_len, api_key=api_key, max_queue_wait_s=max_queue_wait_s,
-                         vocab_size=vocab_size)
+                         vocab_size=vocab_size, scheduling_policy=scheduling_policy)
     app.add_middleware(BearerAuth)
     add_error_handlers(app)
     # Bodies are parsed by the routes themselves, so any Content-Type works (curl -d sends a form type).
@@ -86,16 +90,19 @@ _UNSET: Any = object()
 
 def configure_openai_app(app: FastAPI, *, backend: GenerateBackend | None = _UNSET, tokenizer: Any = _UNSET,
                          model_name: str = _UNSET, max_model_len: int | None = _UNSET, api_key: str | None = _UNSET,
-                         max_queue_wait_s: float | None = _UNSET, vocab_size: int | None = _UNSET) -> IngressState:
+                         max_queue_wait_s: float | None = _UNSET, vocab_size: int | None = _UNSET,
+                         scheduling_policy: str = _UNSET) -> IngressState:
     """Set (some of) the app's serving state; arguments left out keep their value."""
     state: IngressState = app.state.pdserve
     for name, value in dict(backend=backend, tokenizer=tokenizer, model_name=model_name, max_model_len=max_model_len,
-                            api_key=api_key, max_queue_wait_s=max_queue_wait_s, vocab_size=vocab_size).items():
+                            api_key=api_key, max_queue_wait_s=max_queue_wait_s, vocab_size=vocab_size,
+                            scheduling_policy=scheduling_policy).items():
         if value is not _UNSET:
             setattr(state, name, value)
     state.served_model = None
     if state.tokenizer is not None and state.max_model_len is not None:
-        state.served_model = ServedModel.of(state.model_name, state.tokenizer, state.max_model_len, state.vocab_size)
+        state.served_model = ServedModel.of(state.model_name, state.tokenizer, state.max_model_len, state.vocab_size,
+                                            state.scheduling_policy)
     return state
 
 
@@ -119,16 +126,27 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     backend, model = state.ready()
     try:
         model_name = model.check_name(body.model)
-        prepared = await prepare_off_loop(model, body.prompt_input(), body.sampling_input(), body.priority or 0,
-                                          body.cache_salt)
+        prompts = [body.prompt_input()] if chat else body.prompt_inputs()
+        sampling = body.sampling_input()
+        prepared = [await prepare_off_loop(model, p, sampling, body.priority or 0, body.cache_salt) for p in prompts]
     except InvalidRequestError as e:
         raise api_error(e) from None
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    stream = TextStream(backend, request_id, prepared.prompt_token_ids, prepared.params, prepared.priority,
-                        model.tokenizer, prepared.cache_salt)
+    score_only = not chat and body.score_only
+    stream = FanOut(backend, request_id, prepared, body.num_samples, model.tokenizer, score_only=score_only)
+    echo = None if chat or not body.echo else [_echo_text(model, p) for p in prompts]
+    tools = body.tool_plan().output if chat else None  # checked by sampling_input() above
+    fmt = ChoiceFormatter(stream, model.tokenizer, ChoiceOptions(chat, sampling.logprobs is not None, echo, tools))
     opts = ResponseOptions(model=model_name, chat=chat, streaming=bool(body.stream),
                            include_usage=body.include_usage_in_stream, max_queue_wait_s=state.max_queue_wait_s)
-    return await respond(request, stream, opts)
+    return await respond(request, stream, fmt, opts)
+
+
+def _echo_text(model: ServedModel, prompt: PromptInput) -> str:
+    """What `echo` puts before a completion: the prompt as sent (token ids: decoded, special tokens kept)."""
+    if prompt.kind is PromptKind.TEXT:
+        return prompt.value
+    return model.tokenizer.decode(prompt.value, skip_special_tokens=False)
 
 
 async def _models(request: Request) -> Response:

@@ -11,7 +11,8 @@ as the client spelled it (`messages`, `max_completion_tokens`, `prompt_token_ids
 
 Bounds: the sampling values' are SamplingParams' own (engine/sampling_params.py), checked once
 there; what only a door knows is checked here: token ids against the served vocabulary (prompt and
-`stop_token_ids`), text free of lone surrogates, `priority` within PRIORITY_RANGE, `cache_salt`
+`stop_token_ids`), text free of lone surrogates, `priority` within PRIORITY_RANGE (and 0 unless the
+server's scheduling_policy is "priority"), `cache_salt`
 (the engine's `check_cache_salt`: 1..1024 characters). docs/api_bounds.md lists them all.
 
 Defaults for an omitted `max_tokens` follow vLLM: DEFAULT_MAX_TOKENS for a text or token-id prompt
@@ -27,8 +28,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from deployments.frontend.tool_calls import check_chat_template
 from engine import InvalidRequestError, PromptTooLongError, SamplingParams
 from engine.llm_engine import check_cache_salt
+from engine.structured import StructuredSpec
 
 # Omitted max_tokens for a text or token-id prompt; chat gets the rest of the context instead.
 DEFAULT_MAX_TOKENS = 16
@@ -52,11 +55,14 @@ class ServedModel:
     tokenizer: Any  # a transformers tokenizer: encode, apply_chat_template, len()
     max_model_len: int
     vocab_size: int
+    scheduling_policy: str = "fcfs"  # the engines' (EngineConfig.scheduling_policy): "fcfs" refuses a priority
 
     @classmethod
-    def of(cls, name: str, tokenizer: Any, max_model_len: int, vocab_size: int | None = None) -> ServedModel:
+    def of(cls, name: str, tokenizer: Any, max_model_len: int, vocab_size: int | None = None,
+           scheduling_policy: str = "fcfs") -> ServedModel:
         """The one place the token-id bound is chosen: `vocab_size` if given, else `len(tokenizer)`."""
-        return cls(name, tokenizer, max_model_len, len(tokenizer) if vocab_size is None else vocab_size)
+        return cls(name, tokenizer, max_model_len, len(tokenizer) if vocab_size is None else vocab_size,
+                   scheduling_policy)
 
     def check_name(self, requested: str | None) -> str:
         """The served name; raises `UnknownModelError` if `requested` is given and names another model."""
@@ -79,6 +85,7 @@ class PromptInput:
     kind: PromptKind
     value: str | list[int] | list[dict[str, str]]
     field: str = "prompt"
+    tools: list[dict] | None = None  # chat: the tools the template renders (tool_calls.py); None: none
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,21 @@ class SamplingInput:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int | None = None
+    speculative: bool = True  # False: this request never carries speculative drafts
+    # Penalties, bias and logprobs: passed to SamplingParams under the same names when set.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> bias; ids checked against the vocabulary
+    logprobs: int | None = None  # per generated token: its logprob and this many alternatives
+    prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
+    structured: StructuredSpec | None = None  # the output constraint (structured_request.py, tool_calls.py)
+
+
+# SamplingInput fields that go to SamplingParams as they are when set (unset: the engine's default).
+_PASSED_WHEN_SET = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+                    "logprobs", "prompt_logprobs", "structured")
 
 
 class PreparedRequest(NamedTuple):
@@ -112,6 +134,9 @@ def prepare(model: ServedModel, prompt: PromptInput, sampling: SamplingInput, pr
     if not isinstance(priority, int) or isinstance(priority, bool) or \
             not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
         raise InvalidRequestError("priority", "must be an integer in [-2**31, 2**31 - 1]")
+    if priority and model.scheduling_policy == "fcfs":  # never accepted and ignored
+        raise InvalidRequestError("priority", "this server schedules first come, first served "
+                                              "(scheduling_policy=fcfs): leave priority at 0")
     check_cache_salt(cache_salt)  # the engine's bound, checked again by the engine that runs it
     if cache_salt is not None:
         check_text("cache_salt", cache_salt)
@@ -137,6 +162,8 @@ def _sampling_params(model: ServedModel, prompt: PromptInput, num_prompt_tokens:
             stop_token_ids=list(sampling.stop_token_ids),
             ignore_eos=sampling.ignore_eos,
             min_tokens=0 if sampling.min_tokens is None else sampling.min_tokens,
+            speculative=sampling.speculative,
+            **{name: getattr(sampling, name) for name in _PASSED_WHEN_SET if getattr(sampling, name) is not None},
         )
         params.check_token_ids(model.vocab_size)
     except InvalidRequestError as e:
@@ -170,8 +197,10 @@ def prompt_token_ids(model: ServedModel, prompt: PromptInput) -> list[int]:
             for text in message.values():
                 if isinstance(text, str):
                     check_text(prompt.field, text)
+        prompt = check_chat_template(tokenizer, prompt)  # tools need a template that renders them
+        tools = {} if prompt.tools is None else {"tools": prompt.tools}
         try:
-            out = tokenizer.apply_chat_template(prompt.value, add_generation_prompt=True, tokenize=True)
+            out = tokenizer.apply_chat_template(prompt.value, add_generation_prompt=True, tokenize=True, **tools)
         except Exception as e:  # jinja's raise_exception (roles must alternate, ...), no template
             raise InvalidRequestError(prompt.field, f"the chat template rejected them: {str(e)[:200]}") from None
         ids = list(out if isinstance(out, list) else out["input_ids"])

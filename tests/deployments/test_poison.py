@@ -35,7 +35,9 @@ NUM_HTTP_INNOCENTS, NUM_GRPC_INNOCENTS = 8, 4
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    return LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_threads=2, kv_cache_memory_mb=64))
+    # "priority": the extreme but valid requests carry priorities (under fcfs those are refused)
+    return LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_threads=2, kv_cache_memory_mb=64,
+                                  scheduling_policy="priority"))
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +79,10 @@ def _bad_http(engine: LLMEngine) -> list[tuple[str, bytes, int, str | None]]:
                                                                           "max_tokens"),
         (c, j(prompt="hi", min_tokens=9), 400, "min_tokens"), (c, j(prompt="hi", priority=2**31), 400, "priority"),
         (c, j(prompt="hi", cache_salt=""), 400, "cache_salt"), (c, j(prompt="hi", stop=["x"] * 17), 400, "stop"),
-        (c, j(prompt="hi", logit_bias={"5": 100}), 400, "logit_bias"), (c, j(prompt="hi", n=2), 400, "n"),
+        (c, j(prompt="hi", logit_bias={"5": 101}), 400, "logit_bias"), (c, j(prompt="hi", n=17), 400, "n"),
         (cc, j(messages=msgs, tools=[{"type": "function"}]), 400, "tools"),
-        (cc, j(messages=msgs, response_format={"type": "json_object"}), 400, "response_format"),
-        (cc, j(messages=msgs, frequency_penalty=1), 400, "frequency_penalty"),
+        (cc, j(messages=msgs, response_format={"type": "json_schema"}), 400, "response_format"),
+        (cc, j(messages=msgs, frequency_penalty=3), 400, "frequency_penalty"),
         (c, j(prompt="hi", max_token=3), 400, "max_token"), (c, j(prompt="hi", model="gpt-x"), 404, "model"),
         (c, b'{"prompt": "hi", "temperature": NaN}', 400, None),
         (c, b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),
@@ -152,7 +154,8 @@ class PoisonRun:
     def __init__(self, engine: LLMEngine, backend: LocalEngineBackend, http: httpx.Client, url: str):
         v = engine.vocab_size
         self.prompts = [_ids(100 + i, 12 + 5 * i, v) for i in range(NUM_HTTP_INNOCENTS + NUM_GRPC_INNOCENTS)]
-        self.service = GenerationService(ServingState(backend, engine.tokenizer, MODEL, engine.max_model_len, v))
+        self.service = GenerationService(ServingState(backend, engine.tokenizer, MODEL, engine.max_model_len, v,
+                                                      "priority"))
         self.http, self.url = http, url
         self.bad, self.extreme = _bad_http(engine), _extreme_http(engine, self.prompts[0])
         self.first_chunks = threading.Barrier(len(self.prompts) + 1, timeout=120)
@@ -225,7 +228,8 @@ class PoisonRun:
 
 
 def test_innocent_streams_are_untouched_by_poison(engine, backend):
-    app = build_openai_app(backend, engine.tokenizer, MODEL, engine.max_model_len, vocab_size=engine.vocab_size)
+    app = build_openai_app(backend, engine.tokenizer, MODEL, engine.max_model_len, vocab_size=engine.vocab_size,
+                           scheduling_policy="priority")
     with ThreadedServer(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as http:
         run = PoisonRun(engine, backend, http, srv.url)
         refs = [_reference(backend, p) for p in run.prompts]

@@ -4,6 +4,7 @@ tokenizer (no engine, no server): exact token ids, defaults, error fields, and s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -164,6 +165,7 @@ def test_door_bounds(model, kwargs, field):
 
 
 def test_priority_and_cache_salt_are_carried(model):
+    model = dataclasses.replace(model, scheduling_policy="priority")  # under "fcfs" a priority is refused
     prompt = PromptInput(PromptKind.TEXT, "hi")
     edge = prepare(model, prompt, SamplingInput(stop_token_ids=[len(model.tokenizer) - 1]), priority=-2**31,
                    cache_salt="s" * 1024)

@@ -162,7 +162,7 @@ def test_a_local_prefill_is_backed_up_on_the_prefill_worker_caching_most_of_it()
 def test_an_abort_frees_what_its_stage_holds(parts):
     on_prefill = parts.submit("a", 64)
     parts.placement.place_prefill(on_prefill, allow_local=False)
-    assert parts.placement.abort("a") == [AbortOn("p0", "a")]
+    assert parts.placement.abort("a") == [AbortOn("p0", "a", 0)]  # names its attempt
     assert parts.w("p0").queued_prompt_tokens == 0 and "a" not in parts.state.tracked
     leased = parts.submit("b", 64)
     parts.placement.place_prefill(leased, allow_local=False)
@@ -171,7 +171,7 @@ def test_an_abort_frees_what_its_stage_holds(parts):
     assert parts.placement.abort("b") == [ReleaseKV("p0", "b", 7)]
     decoding = parts.submit("c", 64)
     decoding.stage, decoding.worker_id = Stage.DECODE, "d0"
-    assert parts.placement.abort("c") == [AbortOn("d0", "c")]
+    assert parts.placement.abort("c") == [AbortOn("d0", "c", 0)]
     assert parts.placement.abort("c") == [] and parts.state.counters.aborted == 3
     # its KV arrives after the abort: released at once
     assert parts.placement.prefilled("p0", "a", kv_handle("p0", "a", 64, epoch=2)) == [ReleaseKV("p0", "a", 2)]

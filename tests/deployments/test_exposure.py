@@ -1,0 +1,24 @@
+"""gRPC is served only where HTTP is: Ray Serve's gRPC proxy listens on every interface (it takes no
+host), so `pdserve serve` refuses `--grpc-port` beside an HTTP bound to one address, before Ray starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.cli import main
+from deployments.serve_cli import LaunchOptions, grpc_bind_error
+
+
+def test_grpc_is_off_by_default_and_allowed_only_with_a_wildcard_http_host():
+    assert LaunchOptions().grpc_port == 0
+    assert grpc_bind_error("127.0.0.1", 0) is None
+    assert grpc_bind_error("0.0.0.0", 9000) is None and grpc_bind_error("::", 9000) is None
+    for host in ("127.0.0.1", "localhost", "10.1.2.3"):
+        why = grpc_bind_error(host, 9000)
+        assert why is not None and "every interface" in why and host in why
+
+
+def test_pdserve_serve_refuses_grpc_beside_a_loopback_http(capsys):
+    assert main(["serve", "--grpc-port", "9000"]) == 2  # the default --http-host is 127.0.0.1
+    err = capsys.readouterr().err
+    assert "--grpc-port 9000 with --http-host 127.0.0.1" in err and "--grpc-port 0" in err

@@ -1,0 +1,132 @@
+"""What a gloo channel leaves listening, read from the kernel (/proc/net/tcp{,6} and this process's
+descriptors), without Ray: every listener binds the given address only (never every interface), the
+rendezvous store's listener is gone once the pair has formed, and nothing of the channel listens
+after it is closed. Transfers still work once the store is gone."""
+
+from __future__ import annotations
+
+import gc
+import ipaddress
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_transfer import KVTransferError
+from kv_transfer.gloo import GlooTransport
+
+HOST = "127.0.0.1"
+
+
+def _listeners() -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket of this process in LISTEN state."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state != "0A" or inode not in inodes:
+                continue
+            addr_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(addr_hex)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out.add((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
+            assert width  # both tables read
+    return out
+
+
+def _pair() -> tuple[GlooTransport, GlooTransport, int]:
+    exporter, importer = GlooTransport(HOST, timeout_s=20), GlooTransport(HOST, timeout_s=20)
+    host, port = exporter.listen("importer")
+    importer.connect("exporter", (host, port))
+    return exporter, importer, port
+
+
+def _send_one(exporter: GlooTransport, importer: GlooTransport) -> torch.Tensor:
+    got = torch.zeros(8)
+    t = threading.Thread(target=lambda: importer.recv(got, "exporter", 20))
+    t.start()
+    exporter.send(torch.arange(8, dtype=torch.float32), "importer", 20)
+    t.join(30)
+    return got
+
+
+def _settle(pred, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        gc.collect()
+        time.sleep(0.05)
+
+
+def test_a_channel_listens_on_its_address_only_and_the_store_goes_once_the_pair_formed():
+    before = _listeners()
+    exporter, importer, store_port = _pair()
+    ch = exporter.channel("importer")
+    assert _settle(lambda: not ch.listening)  # the rendezvous is over on rank 0 too
+    mine = _listeners() - before
+    assert mine, "the gloo devices listen while the channel is open"
+    assert all(addr == HOST for addr, _ in mine), mine  # never 0.0.0.0 / ::
+    assert store_port not in {port for _, port in mine}, "the rendezvous store still listens"
+    assert torch.equal(_send_one(exporter, importer), torch.arange(8, dtype=torch.float32))
+    exporter.close()
+    importer.close()
+    del ch
+    assert _settle(lambda: not (_listeners() - before)), _listeners() - before
+
+
+def test_dropping_a_channel_closes_its_sockets_and_a_new_pair_can_form():
+    before = _listeners()
+    exporter, importer, _ = _pair()
+    exporter.drop("importer")
+    importer.drop("exporter")
+    assert not exporter.has_channel("importer") and not importer.has_channel("exporter")
+    with pytest.raises(KVTransferError):
+        exporter.channel("importer")
+    assert _settle(lambda: not (_listeners() - before)), _listeners() - before
+    exporter2, importer2, _ = _pair()  # a peer that comes back gets a fresh channel
+    assert torch.equal(_send_one(exporter2, importer2), torch.arange(8, dtype=torch.float32))
+    for t in (exporter, importer, exporter2, importer2):
+        t.close()
+
+
+def test_a_peer_that_never_joins_leaves_nothing_listening():
+    before = _listeners()
+    exporter = GlooTransport(HOST, timeout_s=1.0)
+    exporter.listen("nobody")
+    ch = exporter._channels["nobody"]
+    assert _settle(lambda: not ch.listening, timeout_s=15)  # the rendezvous timed out and let go of its store
+    assert ch.broken
+    exporter.close()
+    del ch
+    assert _settle(lambda: not (_listeners() - before)), _listeners() - before
+
+
+def test_nccl_sockets_are_pinned_to_the_interface_of_the_node_address(monkeypatch):
+    """NCCL binds its unique-id root and bootstrap sockets on one interface: the one carrying the
+    node's cluster address, unless the operator chose one (NCCL_SOCKET_IFNAME). No GPU needed."""
+    from kv_transfer.nccl import interface_of, pin_interface
+
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("203.0.113.7") is None  # a documentation address no interface holds
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    assert pin_interface("127.0.0.1") == "=lo"
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")
+    assert pin_interface("127.0.0.1") == "eth1"  # the operator's choice stands
