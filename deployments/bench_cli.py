@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from deployments.bench_report import (  # noqa: E402 - re-exported: the library entry points
-    _request_row, compute_metrics, plot_results, print_report, throughput_timeline)
+    _request_row, compute_metrics, plot_results, print_report, server_speculation, speculation_delta,
+    throughput_timeline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +243,7 @@ async def arun_benchmark(cfg: BenchConfig | dict) -> dict:
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, trust_env=False, follow_redirects=False,
                                  timeout=httpx.Timeout(cfg.timeout_s, connect=min(cfg.timeout_s, 30.0)),
                                  limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit)) as client:
+        spec_before = await _server_speculation(client)
         t0 = time.perf_counter()
 
         async def one(i: int) -> None:
@@ -257,6 +259,7 @@ async def arun_benchmark(cfg: BenchConfig | dict) -> dict:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         duration = time.perf_counter() - t0
+        spec_after = await _server_speculation(client)
     if bar is not None:
         bar.close()
     for r in results:
@@ -265,6 +268,7 @@ async def arun_benchmark(cfg: BenchConfig | dict) -> dict:
     out = {"config": asdict(cfg), "metrics": compute_metrics(cfg, results, duration),
            "requests": [_request_row(r) for r in results]}
     out["timeline"] = throughput_timeline(results)
+    out["server_speculation"] = speculation_delta(spec_before, spec_after)
     if cfg.result_json:
         Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.result_json).write_text(json.dumps(out, indent=2) + "\n")
@@ -273,8 +277,20 @@ async def arun_benchmark(cfg: BenchConfig | dict) -> dict:
     return out
 
 
+async def _server_speculation(client: Any) -> dict[str, dict[str, Any]]:
+    """The server's per-decode-worker speculation counters from its `/health` (pdserve's, with the API
+    key); {} from any other server or answer: the report then has no speculation rows."""
+    try:
+        resp = await client.get("/health", timeout=10.0)
+        return server_speculation(resp.json()) if resp.status_code == 200 else {}
+    except Exception:  # noqa: BLE001 - an optional reading; the benchmark does not depend on it
+        return {}
+
+
 def run_benchmark(cfg: BenchConfig | dict) -> dict:
-    """Run one benchmark to completion; returns {"config", "metrics", "requests", "timeline"}."""
+    """Run one benchmark to completion; returns {"config", "metrics", "requests", "timeline",
+    "server_speculation"} (the last: what the server's decode workers drafted and accepted during the
+    run, from its /health; None when it does not speculate)."""
     return asyncio.run(arun_benchmark(cfg))
 
 

@@ -92,6 +92,40 @@ def _request_row(r: RequestResult) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- output
 
 
+_SPEC_COUNTS = ("num_drafted", "num_accepted", "num_emitted", "num_verified_rows")
+
+
+def server_speculation(health: Any) -> dict[str, dict[str, Any]]:
+    """Each decode worker's speculative-decoding counters from a pdserve `/health` answer (with the API
+    key: the router's details); {} when none speculates or the server is not pdserve."""
+    decode = ((health or {}).get("router") or {}).get("decode") if isinstance(health, dict) else None
+    if not isinstance(decode, dict):
+        return {}
+    return {wid: w["speculation"] for wid, w in decode.items() if isinstance(w, dict) and w.get("speculation")}
+
+
+def speculation_delta(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """What the server's decode workers drafted, accepted and emitted between two `server_speculation`
+    readings (a worker new since `before` counts from zero; one that died meanwhile is lost), with
+    the acceptance rate and mean accepted length of that difference. None: nothing speculated."""
+    total = dict.fromkeys(_SPEC_COUNTS, 0)
+    methods = set()
+    for wid, now in after.items():
+        old = before.get(wid) or {}
+        if any(now.get(k, 0) < old.get(k, 0) for k in _SPEC_COUNTS):  # a new worker under the same id
+            old = {}
+        for k in _SPEC_COUNTS:
+            total[k] += now.get(k, 0) - old.get(k, 0)
+        methods.add(str(now.get("method")))
+    if not after:
+        return None
+    total["method"] = "+".join(sorted(methods))
+    total["acceptance_rate"] = total["num_accepted"] / total["num_drafted"] if total["num_drafted"] else 0.0
+    total["mean_accepted_length"] = (total["num_emitted"] / total["num_verified_rows"]
+                                     if total["num_verified_rows"] else 0.0)
+    return total
+
+
 def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
@@ -118,6 +152,11 @@ def print_report(result: dict, title: str = "pdserve bench") -> None:
         s = m[key]
         table.add_row(f"{label} ms mean / p50 / p90 / p99",
                       " / ".join(_f(s[k]) for k in ("mean", *(f"p{p}" for p in PERCENTILES))))
+    if (spec := result.get("server_speculation")) is not None:
+        table.add_row(f"speculation ({spec['method']}): drafted / accepted / emitted",
+                      f"{spec['num_drafted']} / {spec['num_accepted']} / {spec['num_emitted']}")
+        table.add_row("acceptance rate / mean accepted length",
+                      f"{spec['acceptance_rate']:.1%} / {_f(spec['mean_accepted_length'], 2)}")
     console = Console(width=120)
     console.print(table)
     for err, n in m["errors"].items():

@@ -82,6 +82,13 @@ class ServeConfig:
             "of cluster.yaml")
     decode_resources: dict[str, float] = setting(help_text="custom Ray resources per decode worker, as JSON",
                                                  default_factory=dict)
+    router_resources: dict[str, float] = setting(
+        help_text="custom Ray resources for the router actor, as JSON", default_factory=dict,
+        doc='{"head": 0.01} keeps it on the head node type of cluster.yaml, off the GPU nodes the autoscaler '
+            "adds and removes (created by the first ingress replica; a running router keeps its place)")
+    ingress_resources: dict[str, float] = setting(
+        help_text="custom Ray resources per HTTP / gRPC ingress replica, as JSON", default_factory=dict,
+        doc="Each replica's stream hub runs on the replica's node")
     # NOTE: 128, not 256: on a CPU thread a 256-token chunk takes ~0.7 s, a gap every client of that
     # worker sees, and the gap a dead worker's clients had already waited before their sequences move.
     # Measured (fault_figures, 1P+2D on 2 cores): the longest stall after a kill met its target in 4 of
@@ -174,11 +181,23 @@ class ServeConfig:
             raise ServeConfigError(f"decode_max_prefill_tokens must be > 0 (or none: max_num_batched_tokens), "
                                    f"got {self.decode_max_prefill_tokens}")
         self._check_pool_bounds()
+        self._check_resources()
         if self.ingress_replicas < 1 or self.ingress_max_replicas is not None and \
                 self.ingress_max_replicas < self.ingress_replicas:
             raise ServeConfigError(f"need 1 <= ingress_replicas ({self.ingress_replicas}) <= ingress_max_replicas "
                                    f"({self.ingress_max_replicas})")
         self.engine_config("decode")  # checks the engine fields too
+
+    def _check_resources(self) -> None:
+        for name in ("prefill_resources", "decode_resources", "router_resources", "ingress_resources"):
+            for key, amount in getattr(self, name).items():
+                # NOTE: Ray takes CPUs, GPUs and memory only through num_cpus / num_gpus / memory, and
+                # refuses them here only when the actor is created, long after the config was accepted.
+                if key in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise ServeConfigError(f"{name}: {key} is not a custom resource (use worker_num_cpus / "
+                                           f"worker_num_gpus for the workers)")
+                if not amount > 0:
+                    raise ServeConfigError(f"{name}: the amount of {key!r} must be > 0, got {amount}")
 
     def _check_pool_bounds(self) -> None:
         for pool in ("prefill", "decode"):
@@ -220,6 +239,11 @@ class ServeConfig:
                                        "max_replicas": hi,
                                        "target_ongoing_requests": self.ingress_target_ongoing_requests}}
 
+    def ingress_actor_options(self) -> dict[str, Any]:
+        """`ray_actor_options` of an ingress replica: no CPUs (the workers hold them, the ingress only
+        relays) and `ingress_resources`, which pin it to the nodes that have them."""
+        return {"num_cpus": 0, **({"resources": dict(self.ingress_resources)} if self.ingress_resources else {})}
+
     def pool_bounds(self, pool: str) -> tuple[int, int]:
         n = getattr(self, f"num_{pool}_workers")
         lo = getattr(self, f"{pool}_min_workers")
@@ -248,8 +272,9 @@ class ServeConfig:
         of `serve_settings()` (ServeConfig's own fields, EngineConfig's, their aliases), each value
         checked against its field's type. An `engine` dict (as `to_dict` writes it) is accepted too."""
         args = dict(args or {})
+        engine_dict = dict(args.pop("engine", None) or {})
         try:
-            engine = replace(DEFAULT_ENGINE, **dict(args.pop("engine", None) or {}))
+            engine = replace(DEFAULT_ENGINE, **engine_dict)
         except TypeError as exc:  # an unknown field in a hand-written `engine` dict
             raise ServeConfigError(f"engine: {exc}") from None
         by_key = {key: s for s in serve_settings() for key in s.keys}
@@ -268,6 +293,10 @@ class ServeConfig:
             except ValueError as exc:
                 raise ServeConfigError(f"{key}: {exc}") from None
             (engine_args if s.owner == "engine" else own)[s.name] = value
+        if "dtype" not in engine_dict:
+            # NOTE: DEFAULT_ENGINE resolved `auto` for its own device (CPU: float32); resolve it again for
+            # the device given here, so `device: cuda` alone means bfloat16.
+            engine_args.setdefault("dtype", "auto")
         return cls(engine=replace(engine, **engine_args), **own)
 
     def to_dict(self) -> dict[str, Any]:

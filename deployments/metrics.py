@@ -3,7 +3,8 @@
 
     Router actor   ─▶ queue depth and size per pool; rejected, retries, migrations, transfer failures
     Workers        ─▶ per step: batch size, tokens, step time, running / waiting, KV-block use, preemptions;
-                      decode side: KV transfer bytes and seconds
+                      decode side: KV transfer bytes and seconds; speculative decoding's draft, accepted
+                      and emitted tokens (tag `method`), acceptance rate and mean accepted length
     Ingress        ─▶ per request: TTFT, TPOT, inter-token latency, end-to-end, prompt / generation tokens
 
 A metric object records in the process that created it, so each process builds its own set on first
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 _POOL = ("pool",)
 _WORKER = ("pool", "worker_id")
+_SPEC = ("pool", "worker_id", "method")
 
 
 class _Metrics:
@@ -75,6 +77,17 @@ class _Metrics:
                                         "prefix cache instead of computed.", _WORKER)
         self.preemptions = counter("pdserve_preemptions_total", "Sequences preempted for lack of KV blocks.",
                                    _WORKER)
+        # speculative decoding, decode side
+        self.spec_drafted = counter("pdserve_spec_draft_tokens_total", "Draft tokens verified by the model.",
+                                    _SPEC)
+        self.spec_accepted = counter("pdserve_spec_accepted_tokens_total", "Draft tokens verification kept.",
+                                     _SPEC)
+        self.spec_emitted = counter("pdserve_spec_emitted_tokens_total", "Tokens that verifying sequence-steps "
+                                    "produced: accepted drafts plus the model's own token of each.", _SPEC)
+        self.spec_acceptance = gauge("pdserve_spec_acceptance_rate", "Accepted / drafted tokens since the "
+                                     "worker started.", _SPEC)
+        self.spec_mean_len = gauge("pdserve_spec_mean_accepted_length", "Tokens per verifying sequence-step "
+                                   "(1 + accepted drafts) since the worker started.", _SPEC)
         # KV transfer, decode side
         self.kv_bytes = counter("pdserve_kv_transfer_bytes_total", "KV-cache bytes received.", _WORKER)
         self.kv_seconds = hist("pdserve_kv_transfer_seconds", "Time to pull one request's KV blocks.",
@@ -99,6 +112,8 @@ class _Metrics:
 _metrics: _Metrics | None = None
 _lock = threading.Lock()
 _last_load_refresh = 0.0
+# worker id -> (drafted, accepted, emitted) when last exported: the counters go up by the difference.
+_spec_seen: dict[str, tuple[int, int, int]] = {}
 
 
 def _get() -> _Metrics | None:
@@ -166,7 +181,32 @@ def record_step(pool: str, worker_id: str, stats: Any, engine: Any) -> None:
         m.cache_hit_tokens.inc(stats.num_cached_tokens, tags=wtags)
     if stats.num_preempted:
         m.preemptions.inc(stats.num_preempted, tags=wtags)
+    if stats.num_draft_tokens:
+        record_spec(m, wtags, engine.spec_stats())
     _set_load(m, wtags, engine)
+
+
+def spec_increments(worker_id: str, spec: Any) -> tuple[int, int, int]:
+    """(drafted, accepted, emitted) since the last call for `worker_id`; `spec` is the engine's
+    cumulative `SpecStats`. An engine whose counters went back (a new one under the same id) counts
+    from zero again."""
+    now = (spec.num_drafted, spec.num_accepted, spec.num_emitted)
+    before = _spec_seen.get(worker_id, (0, 0, 0))
+    if any(n < b for n, b in zip(now, before)):
+        before = (0, 0, 0)
+    _spec_seen[worker_id] = now
+    return now[0] - before[0], now[1] - before[1], now[2] - before[2]
+
+
+def record_spec(m: _Metrics, wtags: dict[str, str], spec: Any) -> None:
+    """After a step that verified drafts: the counters by what it added, the gauges to the totals."""
+    tags = {**wtags, "method": spec.method}
+    drafted, accepted, emitted = spec_increments(wtags["worker_id"], spec)
+    for metric, n in ((m.spec_drafted, drafted), (m.spec_accepted, accepted), (m.spec_emitted, emitted)):
+        if n:
+            metric.inc(n, tags=tags)
+    m.spec_acceptance.set(spec.acceptance_rate, tags=tags)
+    m.spec_mean_len.set(spec.mean_accepted_length, tags=tags)
 
 
 def record_load(pool: str, worker_id: str, engine: Any) -> None:

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from deployments.config_fields import Kind, Setting, settings_of
 
@@ -33,7 +33,9 @@ class LaunchOptions:
     # `pdserve bench` (that builds this CLI too) does not need.
     address: str | None = field(default=None, metadata={
         "help": "join this Ray cluster (e.g. auto) instead of starting one", "default_doc": "start one"})
-    grpc_port: int = field(default=9000, metadata={"help": "gRPC port (0: no gRPC service)"})
+    grpc_port: int = field(default=0, metadata={
+        "help": "gRPC port (0: no gRPC service); needs --http-host 0.0.0.0 or ::, since Serve's gRPC proxy "
+                "listens on every interface"})
     cluster_resources: bool = field(default=False, metadata={
         "help": "pin the workers to nodes with the prefill / decode custom resources of cluster.yaml "
                 "(sets prefill_resources / decode_resources unless given)"})
@@ -95,6 +97,21 @@ def split_args(args: argparse.Namespace) -> tuple[LaunchOptions, dict[str, Any]]
     return launch, settings
 
 
+# NOTE: Ray Serve's gRPC proxy takes no host: it listens on `[::]:<port>`, every interface
+# (ray/serve/_private/grpc_util.py, `start_grpc_server`; `gRPCOptions` has only a port).
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def grpc_bind_error(http_host: str, grpc_port: int) -> str | None:
+    """Why gRPC cannot be served beside HTTP on `http_host` (None: it can). gRPC would listen on every
+    interface, so it is served only where HTTP does too: never exposed beside a loopback-only HTTP."""
+    if not grpc_port or http_host in WILDCARD_HOSTS:
+        return None
+    return (f"--grpc-port {grpc_port} with --http-host {http_host}: Ray Serve's gRPC proxy cannot bind one "
+            "address (it listens on every interface), so gRPC would be exposed where HTTP is not. Pass "
+            "--http-host 0.0.0.0 (or ::) to serve both on every interface, or --grpc-port 0")
+
+
 def _free_port(host: str) -> int:
     import socket
 
@@ -103,11 +120,92 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+# The settings that make up a layout: given any of them, `pdserve serve` picks none itself.
+LAYOUT_SETTINGS = frozenset({"num_prefill_workers", "num_decode_workers", "num_threads", "worker_num_cpus",
+                             "worker_num_gpus", "prefill_resources", "decode_resources"})
+
+
+class Hardware(NamedTuple):
+    """What `pdserve serve` serves on: CPU cores per node, GPUs in all, nodes."""
+
+    cpus: int
+    gpus: int
+    nodes: int = 1
+
+
+def local_hardware() -> Hardware:
+    """This host: the cores this process may run on, and its CUDA devices."""
+    import torch
+
+    return Hardware(len(os.sched_getaffinity(0)), torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def cluster_hardware() -> Hardware:
+    """The Ray cluster joined (`--address`): the smallest node's CPUs, every GPU, the nodes."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    return Hardware(int(min((n.get("CPU", 1) for n in nodes), default=1)),
+                    int(sum(n.get("GPU", 0) for n in nodes)), max(1, len(nodes)))
+
+
+def pick_layout(hw: Hardware) -> tuple[dict[str, Any], str]:
+    """The layout that serves best on `hw` (README "Choosing a layout"), and a line that says it.
+
+    - CPUs only: colocated, one worker per node with a thread per core. Split between two pools, the
+      cores of a small node are lost to whichever pool idles (measured: README).
+    - One GPU: colocated on it (prefill and decode share the device anyway).
+    - Two GPUs or more: disaggregated, half of them prefill workers, the rest decode workers."""
+    if hw.gpus >= 2:
+        prefill = hw.gpus // 2
+        return ({"num_prefill_workers": prefill, "num_decode_workers": hw.gpus - prefill, "worker_num_gpus": 1.0,
+                 "worker_num_cpus": 1.0, "device": "cuda"},
+                f"disaggregated, {prefill} prefill + {hw.gpus - prefill} decode workers, one GPU each")
+    if hw.gpus == 1:
+        return ({"num_prefill_workers": 0, "num_decode_workers": 1, "worker_num_gpus": 1.0, "worker_num_cpus": 1.0,
+                 "device": "cuda"}, "colocated, 1 worker on the GPU")
+    return ({"num_prefill_workers": 0, "num_decode_workers": hw.nodes, "num_threads": hw.cpus,
+             "worker_num_cpus": float(hw.cpus)},
+            f"colocated, {hw.nodes} worker{'s' * (hw.nodes > 1)} x {hw.cpus} thread{'s' * (hw.cpus > 1)}")
+
+
+def _hardware_text(hw: Hardware) -> str:
+    gpus = f"{hw.gpus} GPU{'s' * (hw.gpus != 1)}" if hw.gpus else "no GPU"
+    node = f"{hw.nodes} nodes x {hw.cpus}" if hw.nodes > 1 else f"{hw.cpus}"
+    return f"{node} CPU core{'s' * (hw.cpus != 1)}, {gpus}"
+
+
+def with_layout(settings: dict[str, Any], hw: Hardware) -> dict[str, Any]:
+    """`settings` plus the layout picked for `hw` (printed), unless they already say one."""
+    if LAYOUT_SETTINGS & settings.keys():
+        return settings
+    if not str(settings.get("device", "cuda")).startswith("cuda"):
+        hw = hw._replace(gpus=0)  # told to run on the CPU
+    layout, text = pick_layout(hw)
+    other = ("--prefill-workers 0 (colocated)" if layout["num_prefill_workers"] else
+             "--prefill-workers 1 --decode-workers 1 (disaggregated)")
+    print(f"pdserve: layout for {_hardware_text(hw)}: {text}; any layout flag overrides it, e.g. {other}",
+          flush=True)
+    return {**layout, **settings}
+
+
 def _serve(args: argparse.Namespace) -> int:
     from deployments.config import ServeConfig, direct_ingress_env
 
     launch, settings = split_args(args)
     cfg = ServeConfig.from_dict(settings)  # a bad setting stops here, before Ray starts (cli.main: exit 2)
+    if why := grpc_bind_error(cfg.http_host, launch.grpc_port):
+        print(f"pdserve: {why}", file=sys.stderr)
+        return 2
+    if not launch.address:  # a cluster joined: its layout is picked once Ray is up (`_start`)
+        settings = with_layout(settings, local_hardware())
+        # NOTE: direct ingress unless told otherwise where pdserve starts Ray itself (it can set Ray's
+        # variables) and one ingress replica serves: more would share the proxy's port no more.
+        if "direct_ingress" not in settings and (cfg.ingress_max_replicas or cfg.ingress_replicas) == 1:
+            settings["direct_ingress"] = True
+            print("pdserve: direct ingress (the ingress replica serves HTTP itself; --no-direct-ingress: through "
+                  "Serve's proxy)", flush=True)
+        cfg = ServeConfig.from_dict(settings)
     proxy_port = cfg.http_port
     if cfg.direct_ingress:
         di_env = direct_ingress_env(cfg.http_port, cfg.direct_ingress_ports())
@@ -117,22 +215,23 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         os.environ.update(di_env)
         proxy_port = _free_port(cfg.http_host)
-    _start(launch, cfg, proxy_port)
+    _start(launch, cfg, settings, proxy_port)
     _wait_for_stop()
     return 0
 
 
-def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> None:
+def _start(launch: LaunchOptions, cfg: ServeConfig, settings: dict[str, Any], proxy_port: int) -> None:
     """Start (or join) Ray, start Serve, deploy the HTTP (and gRPC) app, and print where it serves."""
     import ray
     from ray import serve
 
     from deployments.app import build_app, build_grpc_app
-    from deployments.config import apply_ray_env_defaults
+    from deployments.config import ServeConfig, apply_ray_env_defaults
     from deployments.frontend.grpc_app import grpc_options
 
     if launch.address:
         ray.init(address=launch.address)
+        cfg = ServeConfig.from_dict(with_layout(settings, cluster_hardware()))
     else:
         apply_ray_env_defaults()
         needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
@@ -152,7 +251,7 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> None:
           f"-d '{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
           flush=True)
     if launch.grpc_port:
-        print(f"  gRPC: pdserve.Generation/Generate on {cfg.http_host}:{launch.grpc_port} "
+        print(f"  gRPC: pdserve.Generation/Generate on port {launch.grpc_port} of every interface "
               "(metadata application=pdserve-grpc)", flush=True)
     if cfg.direct_ingress:
         print(f"  direct ingress: the ingress replica serves {url}; Serve's proxy is on port {proxy_port}",

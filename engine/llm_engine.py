@@ -34,6 +34,13 @@ def check_cache_salt(cache_salt: str | None) -> None:
 Prompt = str | list[int]
 
 
+def _resumed_tail(prompt_ids: list[int], num_resumed_output: int) -> list[int]:
+    """The prompt's last `num_resumed_output` tokens: a resumed request's earlier output."""
+    if not isinstance(num_resumed_output, int) or not 0 <= num_resumed_output < max(len(prompt_ids), 1):
+        raise InvalidRequestError("num_resumed_output", f"must be in [0, {len(prompt_ids)}), got {num_resumed_output!r}")
+    return list(prompt_ids[len(prompt_ids) - num_resumed_output:]) if num_resumed_output else []
+
+
 @dataclass(slots=True)
 class StepStats:
     """What the last step did; the serving layer reports it to the router."""
@@ -130,7 +137,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     priority: int = 0, prefill_only: bool = False, arrival_time: float | None = None,
-                    urgent: bool = False, cache_salt: str | None = None) -> None:
+                    urgent: bool = False, cache_salt: str | None = None, num_resumed_output: int = 0) -> None:
         """Queue a request. `prefill_only`: stop after the first token and keep the KV blocks for
         export (disaggregated prefill); release them with `release_prefilled`. Within a priority,
         requests run in order of `arrival_time` (`time.monotonic()` clock; default now): a request
@@ -138,6 +145,8 @@ class LLMEngine:
         `urgent`: a step that admits it admits no later new prompt that is not urgent too (a recompute
         whose client is waiting gets a short step, not one filled up to the token budget).
         `cache_salt`: this request shares prefix-cache entries only with requests of the same salt.
+        `num_resumed_output`: the prompt ends with this many tokens the request generated before it
+        moved here (its grammar and output penalties continue after them).
         `priority` (lower runs first) only under `scheduling_policy="priority"`; under "fcfs" a
         non-zero one is refused rather than ignored."""
         params = params if params is not None else SamplingParams()
@@ -150,9 +159,10 @@ class LLMEngine:
         self._validate(request_id, prompt_ids, params)
         params.check_token_ids(self.vocab_size)
         check_cache_salt(cache_salt)
+        resumed = _resumed_tail(prompt_ids, num_resumed_output)
         req = Request(request_id, prompt_ids, params, priority=priority, prefill_only=prefill_only,
                       urgent=urgent, generator=self._new_generator(params), cache_salt=cache_salt,
-                      grammar=self.grammars.state_for(params))
+                      grammar=self.grammars.state_for(params, resumed), num_resumed_output=len(resumed))
         if arrival_time is not None:
             req.arrival_time = min(arrival_time, req.arrival_time)
         self._requests[request_id] = req
@@ -245,14 +255,16 @@ class LLMEngine:
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                               params: SamplingParams, block_ids: list[int], num_computed_tokens: int,
                               priority: int = 0, generator_state: torch.Tensor | None = None,
-                              cache_salt: str | None = None) -> None:
+                              cache_salt: str | None = None, num_resumed_output: int = 0) -> None:
         """Resume decoding a request whose first `num_computed_tokens` tokens of KV are already in
         `block_ids` (allocated with `allocate_blocks`). The engine owns the blocks from now on. A grammar
         continues after `output_token_ids`; prompt logprobs are not computed again (they came with it)."""
         check_cache_salt(cache_salt)
+        resumed = _resumed_tail(prompt_token_ids, num_resumed_output)
         req = Request(request_id, list(prompt_token_ids), params, priority=priority,
                       generator=self._new_generator(params), cache_salt=cache_salt, prompt_logprobs_sent=True,
-                      grammar=self.grammars.state_for(params, output_token_ids))
+                      grammar=self.grammars.state_for(params, resumed + list(output_token_ids)),
+                      num_resumed_output=len(resumed))
         if generator_state is not None and req.generator is not None:
             req.generator.set_state(generator_state)
         req.output_token_ids = list(output_token_ids)

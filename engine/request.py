@@ -112,6 +112,10 @@ class Request:
     # once, with the first output (`prompt_logprobs_sent`), then never computed again (recomputes skip it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    # A resumed stream (its worker died, or it moved): the last `num_resumed_output` prompt tokens are
+    # this request's own earlier output. Its grammar continues after them and the output penalties
+    # (frequency, presence) count them, so a move changes nothing the client can see.
+    num_resumed_output: int = 0
 
     def full_block_keys(self, num_blocks: int, block_size: int) -> list[BlockKey]:
         """The prefix-cache keys of this request's first `num_blocks` full blocks (computed once)."""
@@ -123,6 +127,17 @@ class Request:
     def grammar_terminated(self) -> bool:
         """A structured request's grammar accepted its stop token: the request is done ("stop")."""
         return self.grammar is not None and self.grammar.terminated
+
+    @property
+    def original_prompt_ids(self) -> list[int]:
+        """The client's prompt: the prompt without the resumed output."""
+        return self.prompt_token_ids[:len(self.prompt_token_ids) - self.num_resumed_output]
+
+    @property
+    def generated_ids(self) -> list[int]:
+        """Everything this request generated, before a resume (in the prompt) and after it."""
+        k = self.num_resumed_output
+        return (self.prompt_token_ids[-k:] if k else []) + self.output_token_ids
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -91,7 +91,7 @@ def _prepare_rows(logits: torch.Tensor, requests: list[Request], starts: list[in
         p = req.params
         try:
             if p.has_penalties:  # such requests never carry drafts (SamplingParams.can_speculate)
-                apply_penalties(logits[starts[i]], p, req.prompt_token_ids, req.output_token_ids)
+                apply_penalties(logits[starts[i]], p, req.original_prompt_ids, req.generated_ids)
             for j in range(len(drafts[i]) + 1):
                 _ban_stops_before_min_tokens(logits, starts[i] + j, req, len(req.output_token_ids) + j, eos_token_ids)
         except (IndexError, RuntimeError, ValueError) as exc:

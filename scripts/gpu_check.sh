@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One command for a machine with one or more GPUs: every GPU test, a CuPy NCCL smoke test and a short
-# engine throughput run on CUDA, summed up in ONE JSON report.
+# One command for a machine with one or more GPUs: every GPU test, a CuPy NCCL smoke test, both pools on
+# one GPU (KV staged through pinned host memory over gloo, tests/kv_transfer/test_staged.py) and a
+# short engine throughput run on CUDA, summed up in ONE JSON report.
 #
 #   scripts/gpu_check.sh [REPORT.json]        (default: $OUT/gpu_report.json, else ./gpu_report.json)
 #   PYTHON=.venv/bin/python scripts/gpu_check.sh    (default: python3)
@@ -54,9 +55,13 @@ run_tests() {  # name, time limit (s), files...
     echo "${PIPESTATUS[0]}" >"$WORK/rc_$name.txt"
 }
 mapfile -t NCCL_FILES < <(grep -i nccl "$WORK/files.txt")
-mapfile -t OTHER_FILES < <(grep -vi nccl "$WORK/files.txt")
+# Both pools on one GPU: NCCL cannot pair two ranks on one device, so the pair's KV goes through
+# pinned host memory over gloo (two engines in one process, then a prefill and a decode actor under Ray).
+mapfile -t ONE_GPU_FILES < <(grep -i staged "$WORK/files.txt")
+mapfile -t OTHER_FILES < <(grep -vi -e nccl -e staged "$WORK/files.txt")
 run_tests main 180 "${OTHER_FILES[@]}"
 run_tests nccl 60 "${NCCL_FILES[@]}"
+run_tests one_gpu_pools 240 "${ONE_GPU_FILES[@]}"
 
 # ---------------------------------------------------------------------------------------- NCCL smoke
 echo "== CuPy NCCL smoke test"
@@ -271,7 +276,7 @@ def tests(name):
     return r
 
 import torch, transformers
-runs = {n: tests(n) for n in ("main", "nccl")}
+runs = {n: tests(n) for n in ("main", "nccl", "one_gpu_pools")}
 total = {k: sum(r.get(k, 0) for r in runs.values()) for k in ("passed", "failed", "errors", "skipped")}
 rep = {
     "machine": {"gpus": smi(), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -282,7 +287,8 @@ rep = {
     "throughput_cuda": load("throughput.json"),
     "wall_s": int(time.time()) - t0,
     "notes": ["tests needing Ray skip (or do not import) where Ray is missing",
-              "NCCL pairs need two GPUs: with one, the channel runs on a one-rank communicator"],
+              "NCCL pairs need two GPUs: with one, the channel runs on a one-rank communicator",
+              "one_gpu_pools: prefill and decode on one GPU, KV staged through pinned host memory over gloo"],
 }
 os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
 json.dump(rep, open(report, "w"), indent=1)

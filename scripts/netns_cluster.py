@@ -37,6 +37,7 @@ import atexit
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -47,7 +48,7 @@ from pathlib import Path
 
 from netns_cluster_ops import (BASE_ROOT, BED_PREFIX, SUBNET_PREFIX, BedError, Conn, addr, free_octet, free_port,
                                kill_and_wait, leftovers, list_beds, marked_pids, run, ss_pid, teardown_bed,
-                               teardown_orphans)
+                               teardown_orphans, use_driver_env)  # noqa: F401 - use_driver_env: for drivers
 
 __all__ = ["BedError", "Conn", "Host", "HostSpec", "NetBed", "leftovers", "list_beds", "teardown_bed",
            "teardown_orphans"]
@@ -117,6 +118,8 @@ class NetBed:
         self.octet = free_octet()
         self.bridge = f"{self.id}br"
         self.env = dict(env or {})
+        # Ray's token authentication, on as on a default Ray cluster: every host and the driver use it.
+        self.auth_token = secrets.token_hex(32)
         self.python_bin = python_bin
         self.object_store_mb = object_store_mb
         self.hosts: dict[str, Host] = {}
@@ -140,8 +143,13 @@ class NetBed:
         return f"{SUBNET_PREFIX}.{self.octet}.{host_octet}"
 
     def ray_init_kwargs(self) -> dict:
-        """What `ray.init` needs to join from this process, through the driver's node."""
+        """What `ray.init` needs to join from this process, through the driver's node (with
+        `driver_env()` in force: `use_driver_env`)."""
         return {"address": self.gcs_address, "_node_ip_address": self.driver_ip}
+
+    def driver_env(self) -> dict[str, str]:
+        """The environment a driver that joins this bed needs: the bed's Ray token authentication."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.auth_token}
 
     def node_path(self, rel: str) -> str:
         """The path of `rel` inside a host's private dir: the same string on every host."""
@@ -244,7 +252,7 @@ class NetBed:
         nd = self.node_dir
         env.update(PDSBED_ID=self.id, PDSBED_HOST=host.name, HOME=str(nd / "home"), TMPDIR=str(nd / "tmp"),
                    PDSERVE_CACHE_DIR=str(nd / "cache"), RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1",
-                   TOKENIZERS_PARALLELISM="false")
+                   TOKENIZERS_PARALLELISM="false", **self.driver_env())
         if host.wall_clock_skew_s:
             env["PDSBED_WALL_CLOCK_SKEW_S"] = str(host.wall_clock_skew_s)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(nd / "pyskew"), env.get("PYTHONPATH")]))
@@ -281,6 +289,7 @@ class NetBed:
         # owner_pid: a bed whose owner died before its teardown is an orphan (`teardown_orphans`).
         state = {"id": self.id, "owner_pid": None if self.keep else os.getpid(), "kept": self.keep,
                  "gcs_address": self.gcs_address, "driver_ip": self.driver_ip, "node_dir": str(self.node_dir),
+                 "driver_env": self.driver_env(),
                  "hosts": {h.name: {"ip": h.ip, "netns": h.netns, "alive": h.alive} for h in self.hosts.values()}}
         (self.base / "bed.json").write_text(json.dumps(state, indent=1))
 
@@ -359,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         bed = NetBed(keep=True).start(specs[0], specs[1:])
         state = json.loads((bed.base / "bed.json").read_text())
         print(json.dumps(state, indent=1))
-        print(f"join: ray.init(address={bed.gcs_address!r}, _node_ip_address={bed.driver_ip!r}); "
+        print(f"join: with the driver_env above, ray.init(address={bed.gcs_address!r}, "
+              f"_node_ip_address={bed.driver_ip!r}); "
               f"down: {sys.argv[0]} down {bed.id}", file=sys.stderr)
     elif args.cmd == "down":
         for bid in (list(list_beds()) if args.all else args.bed_id):

@@ -173,3 +173,25 @@ def teardown_orphans() -> list[str]:
             teardown_bed(bid)
             gone.append(bid)
     return gone
+
+
+def use_driver_env(env: dict[str, str | None]) -> dict[str, str | None]:
+    """Put `env` in this process's environment (None: unset) and make Ray read it again; returns the
+    values it replaced, to put back the same way after `ray.shutdown()`.
+
+    NOTE: Ray keeps its settings, the authentication mode among them, in a per-process cache. A local
+    `ray.init()` earlier in the process (any test that starts its own Ray) turns token authentication
+    on in that cache for good; joining a cluster that disagrees then fails in odd places: the
+    cluster's processes cannot call back into the driver, so every object and actor the driver owns
+    looks dead to them (OwnerDiedError in Serve's deploy, "all references removed" for its actors)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    old = {k: os.environ.get(k) for k in env}
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    return old

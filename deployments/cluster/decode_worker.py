@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import ray
 
 from deployments import metrics
-from deployments.cluster.engine_worker import EngineWorker, engine_arrival
+from deployments.cluster.engine_worker import AbortMarks, EngineWorker, engine_arrival
 from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin
 from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, FetchFrom, GenRequest, Role, StreamEvent,
                                           WorkerSnapshot)
@@ -40,7 +40,9 @@ class DecodeWorker(KVExportMixin, EngineWorker):
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         EngineWorker.__init__(self, worker_id, config, router)
-        self._aborted: set[str] = set()
+        # Attempts aborted before they joined the engine (an `admit` or `resume` may be pulling KV):
+        # (request id, attempt) -> when; they are dropped when their call gets that far.
+        self._aborted = AbortMarks(ttl_s=max(120.0, 4 * config.kv_transfer_timeout_s))
         # KV backups: request id -> where to copy its prompt, until the prompt is computed; then the
         # copied blocks, pinned by lease id until the prefill worker has them.
         self._backups: dict[str, BackupTo] = {}
@@ -64,16 +66,21 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             block_ids = self.kv_importer.pull(handle, prefill_actor)
         except KVTransferError as exc:
             logger.warning("%s: KV pull of %s failed: %r", self.worker_id, req.request_id, exc)
-            return Admission(False, f"KV pull failed: {exc!r}")
+            with self.lock:
+                self._aborted.take(req)  # its call is over
+            return Admission(False, f"KV pull failed: {exc!r}", retry=True)
         metrics.record_kv_pull(self.worker_id, handle.nbytes, time.perf_counter() - t0)
         with self.lock:
-            if req.request_id in self._aborted:
-                self._aborted.discard(req.request_id)
+            if self._aborted.take(req) or ray.get_runtime_context().is_canceled():  # the router gave up on it
                 self.engine.free_blocks(block_ids)
                 return Admission(True)
-            self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token], req.params,
-                                              block_ids, handle.num_tokens, priority=req.priority,
-                                              cache_salt=req.cache_salt)
+            try:
+                self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
+                                                  req.params, block_ids, handle.num_tokens, priority=req.priority,
+                                                  cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output)
+            except ValueError as exc:  # the engine refuses it: it cannot start anywhere (fails at once)
+                self.engine.free_blocks(block_ids)
+                return Admission(False, str(exc) or type(exc).__name__)
             self.requests[req.request_id] = req
         self._wake.set()
         return Admission(True)
@@ -93,20 +100,17 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         prefix cache (a moved sequence: its prompt, or a KV backup). Pull them into this worker's
         prefix cache first, so only the rest is recomputed here.
         It happens while both workers' steps run; if it fails, the whole prompt is computed here."""
-        rid = req.request_id
-        self._aborted.discard(rid)
         fetched = self._fetch_prefix(req, fetch) if fetch is not None else []
         with self.lock:
             if fetched:
                 bs = self.engine.block_manager.block_size
                 self.engine.cache_blocks(req.prompt_token_ids[:len(fetched) * bs], fetched, cache_salt=req.cache_salt)
-            if rid in self._aborted:  # aborted while its prefix was on the way
-                self._aborted.discard(rid)
+            if self._aborted.take(req) or ray.get_runtime_context().is_canceled():  # while its prefix came
                 return Admission(True)
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         arrival_time=engine_arrival(req), urgent=req.offset > 0,
-                                        cache_salt=req.cache_salt)
+                                        cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output)
             except ValueError as exc:
                 logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
                 return Admission(False, str(exc) or type(exc).__name__)
@@ -136,13 +140,21 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self.prefix_fetch_tokens += handle.num_tokens
         return block_ids
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, attempt: int | None = None, in_flight: bool = False) -> bool:
+        """`EngineWorker.abort`; one not here yet whose `admit` / `resume` is `in_flight` (a KV pull or
+        prefix fetch under way) is dropped when it gets here."""
         with self.lock:
+            req = self.requests.get(request_id)
+            if req is None and in_flight:
+                self._aborted.add(request_id, attempt)
+            elif req is not None and attempt is not None and req.attempt != attempt:
+                return False  # a newer attempt runs here: the abort was for one the router gave up on
             self._backups.pop(request_id, None)
-            known = request_id in self.requests
-            if not known:
-                self._aborted.add(request_id)  # a pull may be in flight
-            return EngineWorker.abort(self, request_id)
+            return EngineWorker.abort(self, request_id, attempt)
+
+    def num_abort_marks(self) -> int:
+        with self.lock:
+            return len(self._aborted)
 
     def snapshot(self) -> WorkerSnapshot:
         """What this worker holds, for a router rebuilding its state after a restart."""
@@ -179,7 +191,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         with self.lock:
             bm = self.engine.block_manager
             return DecodeReport(self.worker_id, bm.num_free_blocks, bm.num_blocks, self.engine.num_running,
-                                self.engine.num_waiting, prefill_backlog=self.engine.prefill_backlog)
+                                self.engine.num_waiting, prefill_backlog=self.engine.prefill_backlog,
+                                spec=self.engine.spec_stats() if self.engine.speculator is not None else None)
 
     def _after_step(self, outs: list[RequestOutput], stats) -> None:
         events, reqs, finished, backups = [], [], [], []
@@ -193,7 +206,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                 offset = req.offset + len(out.token_ids) - len(out.new_token_ids)
                 ev = StreamEvent(req.request_id, offset, list(out.new_token_ids),
                                  num_prompt_tokens=req.num_original_prompt_tokens,
-                                 num_cached_tokens=out.num_cached_tokens)
+                                 num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs,
+                                 prompt_logprobs=out.prompt_logprobs if req.offset == 0 else None)
                 if out.finished:
                     ev.finished, ev.finish_reason = True, out.finish_reason
                     ev.error = out.error  # finish_reason "error": what this request alone did wrong

@@ -42,6 +42,29 @@ def engine_arrival(req: GenRequest) -> float | None:
     return time.monotonic() - max(0.0, time.time() - req.arrival_time)
 
 
+class AbortMarks:
+    """Attempts of requests aborted before they reached this worker's engine (`DecodeWorker.abort`
+    while its `admit` or `resume` is in flight): the call drops its request when it gets that far.
+    A mark no call takes (its call was refused meanwhile) goes after `ttl_s`. Caller holds the lock."""
+
+    def __init__(self, ttl_s: float):
+        self.ttl_s = ttl_s
+        self._marks: dict[tuple[str, int | None], float] = {}
+
+    def add(self, request_id: str, attempt: int | None) -> None:
+        now = time.monotonic()
+        self._marks = {k: t for k, t in self._marks.items() if now - t < self.ttl_s}
+        self._marks[(request_id, attempt)] = now
+
+    def take(self, req: GenRequest) -> bool:
+        """Whether `req`'s attempt was aborted (either by attempt or as a whole); forgets the marks."""
+        return any([self._marks.pop((req.request_id, req.attempt), None) is not None,
+                    self._marks.pop((req.request_id, None), None) is not None])
+
+    def __len__(self) -> int:
+        return len(self._marks)
+
+
 class EngineWorker:
     """What both kinds of worker share: the engine, its step loop and lock, the KV importer, and the
     actor methods the router calls on any worker (info, ping, watch, abort, integrity check)."""
@@ -125,8 +148,14 @@ class EngineWorker:
     def ping(self) -> str:
         return self.worker_id
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, attempt: int | None = None, in_flight: bool = False) -> bool:
+        """End `request_id` here: only its attempt `attempt`, if given (the router gave up on that one
+        and may have placed the next one here already). `in_flight`: the call that brings it here
+        may still be on its way (the decode worker remembers the abort for it)."""
         with self.lock:
+            req = self.requests.get(request_id)
+            if req is not None and attempt is not None and req.attempt != attempt:
+                return False
             self.requests.pop(request_id, None)
             return self.engine.abort(request_id)
 

@@ -9,10 +9,21 @@ from typing import Any
 from deployments.cluster.messages import Role
 from deployments.cluster.pools import Pools
 from deployments.cluster.state import RouterState, WorkerView
+from engine.spec import SpecStats
 
 
 def _worker(w: WorkerView) -> dict[str, Any]:
     return {"ready": w.ready, "draining": w.draining, "node_id": w.info.node_id if w.info else None}
+
+
+def spec_summary(spec: SpecStats | None) -> dict[str, Any] | None:
+    """A decode worker's speculative-decoding counters as /health shows them (None: speculation off)."""
+    if spec is None:
+        return None
+    return {"method": spec.method, "num_drafted": spec.num_drafted, "num_accepted": spec.num_accepted,
+            "num_emitted": spec.num_emitted, "num_verified_rows": spec.num_verified_rows,
+            "acceptance_rate": round(spec.acceptance_rate, 4),
+            "mean_accepted_length": round(spec.mean_accepted_length, 4)}
 
 
 def router_stats(state: RouterState, pools: Pools, last: int = 20) -> dict[str, Any]:
@@ -31,6 +42,7 @@ def router_stats(state: RouterState, pools: Pools, last: int = 20) -> dict[str, 
         "decode": {w.worker_id: {"max_batch_seen": w.max_batch_seen, "num_steps": w.num_steps,
                                  "free_blocks": w.report.num_free_blocks if w.report else None,
                                  "running": w.report.num_running if w.report else 0,
-                                 "prefill_backlog": w.prefill_backlog(), **_worker(w)}
+                                 "prefill_backlog": w.prefill_backlog(), **_worker(w),
+                                 "speculation": spec_summary(w.report.spec if w.report else None)}
                    for w in state.decode.values()},
     }

@@ -48,6 +48,14 @@ class GenRequest:
     # Prefix-cache entries (and cache-aware placement) are shared only among requests of the same salt.
     cache_salt: str | None = None
 
+    @property
+    def num_resumed_output(self) -> int:
+        """How many tokens at the end of `prompt_token_ids` are this request's own earlier output (a
+        resumed stream): the engine continues its grammar and output penalties after them."""
+        if not self.offset or not self.num_original_prompt_tokens:
+            return 0
+        return max(0, len(self.prompt_token_ids) - self.num_original_prompt_tokens)
+
 
 @dataclass(slots=True)
 class StreamEvent:

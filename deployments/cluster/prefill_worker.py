@@ -81,7 +81,8 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                 self._forget(req.request_id)
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         prefill_only=True, arrival_time=engine_arrival(req),
-                                        urgent=req.offset > 0, cache_salt=req.cache_salt)
+                                        urgent=req.offset > 0, cache_salt=req.cache_salt,
+                                        num_resumed_output=req.num_resumed_output)
                 self.requests[req.request_id] = req
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
@@ -138,7 +139,8 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                 continue
             ev = StreamEvent(req.request_id, req.offset, list(out.new_token_ids),
                              num_prompt_tokens=req.num_original_prompt_tokens,
-                             num_cached_tokens=out.num_cached_tokens)
+                             num_cached_tokens=out.num_cached_tokens, logprobs=out.logprobs,
+                             prompt_logprobs=out.prompt_logprobs if req.offset == 0 else None)
             if out.finish_reason == "prefilled":
                 handle = self.kv_exporter.grant(out, out.num_prompt_tokens)
                 with self.lock:

@@ -169,7 +169,9 @@ class Recovery:
             self.state.tracked.pop(rid, None)
             return [EndStream(req, StreamEvent(rid, n, [], True, "length",
                                                num_prompt_tokens=req.num_original_prompt_tokens))]
-        params = replace(t.params, max_tokens=remaining, min_tokens=max(0, t.params.min_tokens - n))
+        # The client already has the prompt's logprobs: the resumed prompt (prompt + output) needs none.
+        params = replace(t.params, max_tokens=remaining, min_tokens=max(0, t.params.min_tokens - n),
+                         prompt_logprobs=None)
         t.req = replace(req, prompt_token_ids=prompt, params=params, offset=n, attempt=req.attempt + 1)
         t.handle = None
         if kind is Requeue.MIGRATION:

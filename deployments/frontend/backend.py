@@ -21,9 +21,12 @@ import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
 from engine import InvalidRequestError, LLMEngine, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.request import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,9 @@ class TokenDelta:
     num_prompt_tokens: the prompt length as the backend counted it (for usage).
     num_cached_tokens: prompt tokens whose KV the prefill took from the prefix cache (for usage's
         `prompt_tokens_details.cached_tokens`); the first event's value is the one that counts.
+    logprobs: one `TokenLogprob` per token of `token_ids` when the request asked (`params.logprobs`).
+    prompt_logprobs: one per prompt token ([0] is None), on the first event of a request that asked
+        (`params.prompt_logprobs`).
     """
 
     token_ids: list[int]
@@ -47,6 +53,8 @@ class TokenDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class QueueFullError(RuntimeError):
@@ -80,6 +88,10 @@ class GenerateBackend(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def health(self) -> dict: ...
+
+
+def _list_or_none(items: list | None) -> list | None:
+    return None if items is None else list(items)  # a copy: coalescing extends it
 
 
 @dataclass(slots=True)
@@ -157,6 +169,8 @@ class LocalEngineBackend:
                 while not item.finished and not stream.queue.empty():
                     nxt = stream.queue.get_nowait()
                     item.token_ids.extend(nxt.token_ids)
+                    if item.logprobs is not None and nxt.logprobs is not None:
+                        item.logprobs.extend(nxt.logprobs)
                     item.finished, item.finish_reason, item.error = nxt.finished, nxt.finish_reason, nxt.error
                 finished = item.finished
                 yield item
@@ -247,7 +261,7 @@ class LocalEngineBackend:
             for out in outputs:
                 self._deliver(out.request_id, TokenDelta(
                     list(out.new_token_ids), out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
-                    out.num_cached_tokens))
+                    out.num_cached_tokens, _list_or_none(out.logprobs), out.prompt_logprobs))
 
     def _apply(self, cmd: _Command) -> None:
         eng = self.engine

@@ -3,7 +3,7 @@
 Errors before the first token become a status code (400/429/500/503); after it, an SSE error chunk
 followed by `data: [DONE]`. A client that goes away aborts its backend request: a disconnect seen
 while waiting (non-streaming, or before the first token) answers 499, and a streaming response
-always closes its `TextStream`, which aborts whatever did not finish.
+always closes its `FanOut` (the request's choices), which aborts whatever did not finish.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from deployments.frontend.fanout import ChoiceChunk, FanOut
 from deployments.frontend.http_errors import NEUTRAL_ERRORS, api_error, generation_failed
-from deployments.frontend.openai_protocol import (
-    APIError, AssistantMessage, ChatCompletionChoice, ChatCompletionResponse, ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse, CompletionChoice, CompletionResponse, CompletionStreamResponse, DeltaMessage,
-    UsageInfo)
-from deployments.frontend.text_stream import GenerationFailed, TextStream
+from deployments.frontend.openai_choices import ChoiceFormatter
+from deployments.frontend.openai_protocol import APIError
+from deployments.frontend.openai_responses import (
+    ChatCompletionResponse, ChatCompletionStreamResponse, CompletionResponse, CompletionStreamResponse, UsageInfo)
+from deployments.frontend.text_stream import GenerationFailed
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,8 @@ async def _unless_disconnected(request: Request, aw: Awaitable[T], timeout_s: fl
 
 
 # ---------------------------------------------------------------------- the answer
-async def respond(request: Request, stream: TextStream, opts: ResponseOptions) -> Response:
-    """Start `stream` and answer with it; the stream is closed on every path."""
+async def respond(request: Request, stream: FanOut, fmt: ChoiceFormatter, opts: ResponseOptions) -> Response:
+    """Start `stream` (every choice of the request) and answer with it; it is closed on every path."""
     try:
         await _start(request, stream, opts)
     except _ClientGone:
@@ -91,10 +92,10 @@ async def respond(request: Request, stream: TextStream, opts: ResponseOptions) -
         await stream.close()
         raise
     if opts.streaming:
-        body = _chat_chunks(stream, opts) if opts.chat else _completion_chunks(stream, opts)
+        body = _chat_chunks(stream, fmt, opts) if opts.chat else _completion_chunks(stream, fmt, opts)
         return _SSEResponse(stream, _sse_body(stream, body), headers=_SSE_HEADERS)
     try:
-        text = await _unless_disconnected(request, _collect(stream))
+        chunks = await _unless_disconnected(request, _collect(stream))
     except _ClientGone:
         return Response(status_code=499)
     except GenerationFailed as e:
@@ -103,14 +104,13 @@ async def respond(request: Request, stream: TextStream, opts: ResponseOptions) -
         await stream.close()
     usage = _usage(stream)
     if opts.chat:
-        message = AssistantMessage(content=text)
-        return _json(ChatCompletionResponse(id=stream.request_id, model=opts.model, usage=usage, choices=[
-            ChatCompletionChoice(message=message, finish_reason=stream.finish_reason)]))
-    return _json(CompletionResponse(id=stream.request_id, model=opts.model, usage=usage, choices=[
-        CompletionChoice(text=text, finish_reason=stream.finish_reason)]))
+        return _json(ChatCompletionResponse(id=stream.request_id, model=opts.model, usage=usage,
+                                            choices=fmt.chat_choices(chunks)))
+    return _json(CompletionResponse(id=stream.request_id, model=opts.model, usage=usage,
+                                    choices=fmt.completion_choices(chunks)))
 
 
-async def _start(request: Request, stream: TextStream, opts: ResponseOptions) -> None:
+async def _start(request: Request, stream: FanOut, opts: ResponseOptions) -> None:
     """Wait for the first token, turning the backend's refusals into HTTP errors."""
     try:
         await _unless_disconnected(request, stream.start(), opts.max_queue_wait_s)
@@ -127,12 +127,12 @@ def _json(model: Any) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
 
-def _usage(stream: TextStream) -> UsageInfo:
+def _usage(stream: FanOut) -> UsageInfo:
     return UsageInfo.of(*stream.usage)
 
 
-async def _collect(stream: TextStream) -> str:
-    return "".join([chunk.text async for chunk in stream.chunks()])
+async def _collect(stream: FanOut) -> list[ChoiceChunk]:
+    return [chunk async for chunk in stream.chunks()]
 
 
 # ---------------------------------------------------------------------- server-sent events
@@ -143,7 +143,7 @@ class _SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, stream: TextStream, content: AsyncIterator[str], headers: dict[str, str]):
+    def __init__(self, stream: FanOut, content: AsyncIterator[str], headers: dict[str, str]):
         super().__init__(content, headers=headers)
         self.stream = stream
 
@@ -162,7 +162,7 @@ def _sse(payload: Any) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
 
-async def _sse_body(stream: TextStream, events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _sse_body(stream: FanOut, events: AsyncIterator[str]) -> AsyncIterator[str]:
     """`events`, then `[DONE]`; a failure after the first chunk (the status is sent) is reported in-band."""
     try:
         try:
@@ -180,26 +180,23 @@ async def _sse_body(stream: TextStream, events: AsyncIterator[str]) -> AsyncIter
             await stream.close()
 
 
-async def _completion_chunks(stream: TextStream, opts: ResponseOptions) -> AsyncIterator[str]:
+async def _completion_chunks(stream: FanOut, fmt: ChoiceFormatter, opts: ResponseOptions) -> AsyncIterator[str]:
     rid, model = stream.request_id, opts.model
     async for chunk in stream.chunks():
-        if chunk.text or chunk.finish_reason:
-            yield _sse(CompletionStreamResponse(id=rid, model=model, choices=[
-                CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason)]))
+        choice = fmt.completion(chunk)
+        if choice is not None:
+            yield _sse(CompletionStreamResponse(id=rid, model=model, choices=[choice]))
     if opts.include_usage:
         yield _sse(CompletionStreamResponse(id=rid, model=model, choices=[], usage=_usage(stream)))
 
 
-async def _chat_chunks(stream: TextStream, opts: ResponseOptions) -> AsyncIterator[str]:
+async def _chat_chunks(stream: FanOut, fmt: ChoiceFormatter, opts: ResponseOptions) -> AsyncIterator[str]:
     rid, model = stream.request_id, opts.model
-
-    def event(delta: DeltaMessage, finish: str | None = None) -> str:
-        return _sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[
-            ChatCompletionStreamChoice(delta=delta, finish_reason=finish)]))
-
-    yield event(DeltaMessage(role="assistant", content=""))
+    for role in fmt.chat_roles():
+        yield _sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[role]))
     async for chunk in stream.chunks():
-        if chunk.text or chunk.finish_reason:
-            yield event(DeltaMessage(content=chunk.text or None), chunk.finish_reason)
+        choice = fmt.chat_delta(chunk)
+        if choice is not None:
+            yield _sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
     if opts.include_usage:
         yield _sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=_usage(stream)))

@@ -23,21 +23,20 @@ from deployments.frontend.openai_protocol import APIError
 # field -> the values that mean "off" (null always does). Both endpoints share the table; a field
 # only one endpoint defines at OpenAI (e.g. `echo`) is refused the same way by the other.
 NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
-    # OpenAI sampling and output options
-    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
+    # OpenAI sampling and output options (`top_logprobs` is chat's, `echo` completions': implemented
+    # there, refused unless off at the other endpoint)
     "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,),
-    "response_format": ({"type": "text"},), "tools": ([],), "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # meaningless without tools, which are refused
+    # tools are chat's (tool_calls.py): the completions endpoint takes them only when off
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True, False),
     "functions": ([],), "function_call": ("none",), "store": (False,), "service_tier": ("auto", "default"),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": (),
     "prompt_cache_key": (), "safety_identifier": (), "verbosity": (),
     # vLLM's extensions
-    "repetition_penalty": (1,), "min_p": (0,), "length_penalty": (1,), "use_beam_search": (False,),
+    "length_penalty": (1,), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "prompt_logprobs": (), "bad_words": ([],), "allowed_token_ids": (), "truncate_prompt_tokens": (),
     "logits_processors": (), "return_tokens_as_token_ids": (False,), "detokenize": (True,),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (), "structured_outputs": (), "chat_template": (), "chat_template_kwargs": ({},),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (), "chat_template": (), "chat_template_kwargs": ({},),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "request_id": (),
 }
 

@@ -93,6 +93,8 @@ class StreamHub:
         skip = s.next_offset - ev.offset
         if skip > 0:
             ev.token_ids = ev.token_ids[skip:]
+            if ev.logprobs is not None:
+                ev.logprobs = ev.logprobs[skip:]  # aligned with token_ids
             ev.offset += skip
         s.next_offset += len(ev.token_ids)
         s.delivered.extend(ev.token_ids)

@@ -12,12 +12,15 @@ The doors only format chunks (SSE / JSON / protobuf) and map errors.
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, NamedTuple
+from typing import TYPE_CHECKING, Any, AsyncIterator, NamedTuple
 
 import anyio
 
 from deployments.frontend.backend import GenerateBackend, QueueFullError, TokenDelta
 from engine import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.request import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,7 @@ class TextChunk(NamedTuple):
     text: str  # text since the previous chunk, cut before any stop string; may be ""
     token_ids: list[int]  # tokens generated since the previous chunk (a stop string's may be among them)
     finish_reason: str | None  # set on the last chunk only: "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
 
 
 class Usage(NamedTuple):
@@ -131,6 +135,8 @@ class TextStream:
         self.num_completion_tokens = 0
         self.num_cached_tokens = 0  # from the first event
         self.finish_reason: str | None = None
+        # One per prompt token ([0] is None) when the request asked (params.prompt_logprobs); set by start().
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringFilter(params.stop)
         # NOTE: `cache_salt` only when set, so a backend without salts still serves unsalted requests.
@@ -157,6 +163,7 @@ class TextStream:
             raise
         first = self._first
         self.num_cached_tokens = first.num_cached_tokens
+        self.prompt_logprobs = first.prompt_logprobs
         if first.finished and first.finish_reason == "error" and not first.token_ids:
             self._done = True
             raise self._failed(first.error or "the backend reported an error")
@@ -173,22 +180,23 @@ class TextStream:
                 self._done = True
                 text += self._detok.flush()
             out, stopped = self._stops.feed(text)
+            lps = delta.logprobs
             if stopped:
                 await self._abort()  # NOTE: the model may still be generating: its tokens are unwanted
                 self.finish_reason = "stop"
-                yield TextChunk(out, delta.token_ids, "stop")
+                yield TextChunk(out, delta.token_ids, "stop", lps)
                 return
             if delta.finished:
                 out += self._stops.flush()
                 if delta.finish_reason == "error":
                     if out or delta.token_ids:
-                        yield TextChunk(out, delta.token_ids, None)
+                        yield TextChunk(out, delta.token_ids, None, lps)
                     raise self._failed(delta.error or "the backend reported an error")
                 self.finish_reason = delta.finish_reason or "stop"
-                yield TextChunk(out, delta.token_ids, self.finish_reason)
+                yield TextChunk(out, delta.token_ids, self.finish_reason, lps)
                 return
             if out or delta.token_ids:
-                yield TextChunk(out, delta.token_ids, None)
+                yield TextChunk(out, delta.token_ids, None, lps)
             try:
                 delta = await self._gen.__anext__()
             except StopAsyncIteration:

@@ -105,3 +105,24 @@ def test_colocated_repeats_go_where_their_prefix_is_cached(colocated):
         assert again[i][1] == first[i][1]
         assert again[i][0] == (len(p) - 1) // 16 * 16, (i, again[i][0])
     wait_no_leaks(router, timeout_s=20)
+
+
+def test_colocated_logprobs_reach_the_client(colocated):
+    """The decode worker prefills itself here: its first output's prompt logprobs and every token's
+    logprobs travel through the hub to the backend's deltas, aligned with the tokens."""
+    router, backend = colocated
+    prompt = PROMPTS[1]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+
+    async def run():
+        return [d async for d in backend.generate("c-logprobs", prompt, params)]
+
+    deltas = asyncio.run(run())
+    tokens = [t for d in deltas for t in d.token_ids]
+    logprobs = [x for d in deltas for x in d.logprobs or []]
+    assert len(tokens) == 6 and [x.token_id for x in logprobs] == tokens
+    assert all(len(x.top) == 2 and x.logprob == x.top[0][1] for x in logprobs)  # greedy: the best token
+    first = deltas[0].prompt_logprobs
+    assert first is not None and first[0] is None and [x.token_id for x in first[1:]] == prompt[1:]
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    wait_no_leaks(router, timeout_s=30)

@@ -108,3 +108,30 @@ def test_metrics_exported_and_moving_under_load(cluster):
     assert m["pdserve_e2e_request_latency_seconds_count"] == len(served) + 1
     assert m["pdserve_prompt_tokens_cached_total"] >= 32 and m["pdserve_prefix_cache_hit_tokens_total"] >= 32
     assert m["pdserve_pool_workers"] == 2  # one prefill, one decode
+
+
+def test_speculation_counters_export_differences_and_bench_reads_health():
+    """No Ray needed: the worker side turns the engine's cumulative counters into increments (a new
+    engine under the same id starts over), and `pdserve bench` diffs two /health readings."""
+    from deployments.bench_report import server_speculation, speculation_delta
+    from deployments.metrics import spec_increments
+    from engine.spec import SpecStats
+
+    wid = f"w-{uuid.uuid4().hex[:6]}"
+    assert spec_increments(wid, SpecStats("ngram", 8, 5, 9, 4)) == (8, 5, 9)
+    assert spec_increments(wid, SpecStats("ngram", 12, 6, 11, 5)) == (4, 1, 2)
+    assert spec_increments(wid, SpecStats("ngram", 2, 1, 2, 1)) == (2, 1, 2)  # restarted: from zero
+
+    def health(**workers):
+        spec = lambda d, a, e, r: {"method": "suffix", "num_drafted": d, "num_accepted": a, "num_emitted": e,
+                                   "num_verified_rows": r}
+        return {"status": "ok", "router": {"decode": {w: {"speculation": spec(*v) if v else None}
+                                                      for w, v in workers.items()}}}
+
+    before = server_speculation(health(a=(10, 4, 8, 4), b=None))
+    after = server_speculation(health(a=(30, 19, 29, 10), c=(5, 5, 7, 2)))
+    d = speculation_delta(before, after)
+    assert (d["num_drafted"], d["num_accepted"], d["num_emitted"], d["num_verified_rows"]) == (25, 20, 28, 8)
+    assert d["method"] == "suffix" and d["acceptance_rate"] == 0.8 and d["mean_accepted_length"] == 3.5
+    assert server_speculation({"status": "ok"}) == {} and speculation_delta({}, {}) is None
+    assert server_speculation(health(a=None)) == {}

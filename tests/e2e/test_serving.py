@@ -156,7 +156,7 @@ def test_cache_salt_keeps_tenants_apart_through_the_pools(server):
 
 
 @pytest.mark.parametrize("body,status,param", [
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi " * 9000}, 400, "prompt"),

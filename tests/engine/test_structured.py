@@ -128,6 +128,30 @@ def test_resumed_request_continues_its_grammar(tiny_model_dir):
     dec.check_integrity()
 
 
+def test_stream_moved_with_its_output_in_the_prompt_continues_exactly(llm):
+    """A stream whose worker died is recomputed elsewhere with prompt = prompt + what the client has
+    (`num_resumed_output` of it): its grammar and its output penalties continue after those tokens, so
+    the greedy output equals the uninterrupted one."""
+    spec = StructuredSpec("json_schema", json.dumps(SCHEMA))
+    params = SamplingParams(max_tokens=160, temperature=0, structured=spec, frequency_penalty=0.5, presence_penalty=0.3)
+    prompt = PROMPTS[3]
+    whole = llm.generate([prompt], [params])[0]
+    assert whole.finish_reason == "stop"
+    k = len(whole.token_ids) // 2
+    eng = llm.engine
+    rest = SamplingParams(max_tokens=160 - k, temperature=0, structured=spec, frequency_penalty=0.5, presence_penalty=0.3)
+    with pytest.raises(InvalidRequestError) as exc:
+        eng.add_request("bad", prompt, rest, num_resumed_output=len(prompt))
+    assert exc.value.field == "num_resumed_output"
+    eng.add_request("moved", prompt + whole.token_ids[:k], rest, num_resumed_output=k)
+    tail: list[int] = []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == "moved" and o.finished:
+                tail = o.token_ids
+    assert whole.token_ids[:k] + tail == whole.token_ids
+
+
 def test_constrained_requests_do_not_speculate(tiny_model_dir):
     llm = LLM(model=tiny_model_dir("llama"), dtype="float32", num_kv_blocks=128, block_size=4, max_model_len=300,
               speculative_method="ngram", speculative_adaptive=False)

@@ -19,7 +19,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from kv_transfer import PeerDiedError, TransferTimeoutError, make_transport
-from kv_transfer.gloo import GlooTransport
+from kv_transfer.factory import TransportKind
 
 PARAMS = SamplingParams(max_tokens=16, temperature=0)
 WORDS = "the quick brown fox jumps over a lazy dog while seven small robots count prime numbers".split()
@@ -30,7 +30,8 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs 
 
 
 def test_transport_follows_the_cache_device():
-    assert isinstance(make_transport("cpu", "127.0.0.1"), GlooTransport)
+    cpu = make_transport("cpu", "127.0.0.1")
+    assert cpu.device_id is None and cpu._local("gloo") is TransportKind.GLOO
     with pytest.raises(ValueError, match="device type 'meta'"):
         make_transport("meta", "127.0.0.1")
 
@@ -47,7 +48,8 @@ def test_cuda_cache_gets_nccl():
     from kv_transfer.nccl import NcclTransport
 
     t = make_transport("cuda", "127.0.0.1")
-    assert isinstance(t, NcclTransport) and t.device.type == "cuda"
+    assert t.device.type == "cuda" and t.device_id.startswith("GPU-")
+    assert isinstance(t._backend(TransportKind.NCCL), NcclTransport)  # for a peer on another GPU
 
 
 def _self_channel(timeout_s: float = 30.0):
@@ -151,8 +153,9 @@ def _actors():
             self.engine = _engine()
             self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, timeout_s=60)
 
-        def transport(self) -> str:
-            return type(self.kv_exporter.transport).__name__
+        def transport(self, peer_id: str) -> str | None:
+            kind = self.kv_exporter.transport.kind_of(peer_id)
+            return kind and kind.value
 
         def prefill(self, rid: str, prompt: str):
             with self.lock:
@@ -163,8 +166,8 @@ def _actors():
                         if out.request_id == rid and out.finished:
                             return self.kv_exporter.grant(out, len(ids)), ids
 
-        def kv_open_channel(self, peer_id):
-            return self.kv_exporter.open_channel(peer_id)
+        def kv_open_channel(self, peer_id, peer_device=None):
+            return self.kv_exporter.open_channel(peer_id, peer_device)
 
         def kv_push(self, handle, peer_id):
             self.kv_exporter.push(handle, peer_id)
@@ -220,11 +223,11 @@ def test_nccl_disaggregated_matches_single_engine():
     try:
         Prefill, Decode = _actors()
         prefill, decode = Prefill.remote("p0"), Decode.remote("d0")
-        assert ray.get(prefill.transport.remote()) == "NcclTransport"
         ref = ray.get(decode.run.remote(PROMPTS), timeout=300)
         reference = [ref[f"ref{i}"] for i in range(len(PROMPTS))]
         prefilled = ray.get([prefill.prefill.remote(f"r{i}", p) for i, p in enumerate(PROMPTS)], timeout=300)
         ray.get([decode.pull.remote(h, ids, prefill) for h, ids in prefilled], timeout=300)
+        assert ray.get(prefill.transport.remote("d0")) == "nccl"  # two GPUs: the pair talks NCCL
         done = ray.get(decode.run.remote(), timeout=300)
         assert [done[f"r{i}"] for i in range(len(PROMPTS))] == reference
         deadline = time.monotonic() + 10  # the exporter frees on the ack, just after a pull returns

@@ -21,6 +21,7 @@ def make_bed() -> Iterator[Callable[..., Any]]:
         pytest.skip(why)
     netns_cluster.teardown_orphans()  # beds left by a run that was killed before its teardown
     beds: list[Any] = []
+    saved_env: list[dict] = []
 
     def make(head: Any, others: list[Any], env: dict[str, str] | None = None) -> Any:
         import ray
@@ -28,12 +29,18 @@ def make_bed() -> Iterator[Callable[..., Any]]:
         bed = NetBed(env=env)
         beds.append(bed)
         bed.start(head, others)
+        # The bed's auth settings, read again by Ray: the tests before this module may have started a
+        # local Ray in this process, whose settings Ray keeps (netns_cluster_ops.use_driver_env).
+        old = netns_cluster.use_driver_env(bed.driver_env())
+        saved_env.append(saved_env[0] if saved_env else old)
         ray.init(**bed.ray_init_kwargs(), namespace=RAY_NAMESPACE, log_to_driver=False)
         wait_for(lambda: len(alive_nodes()), lambda n: n == len(others) + 2, timeout_s=60, what="every host joined")
         return bed
 
     yield make
     disconnect()
+    if saved_env:
+        netns_cluster.use_driver_env(saved_env[0])  # the tests after this module see what they saw before
     for bed in beds:
         bed.teardown()
         left = netns_cluster.leftovers(bed.id)

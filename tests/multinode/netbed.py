@@ -89,29 +89,30 @@ def pids_titled(bed: Any, host: str, prefix: str) -> list[int]:
     return [pid for pid, title in ray_processes(bed, host).items() if title.startswith(prefix)]
 
 
-def pin_router(config: Any, resources: dict[str, float]) -> Any:
-    """pdserve's router, created on the host that has `resources` (the ingress finds it by name).
-
-    NOTE: ServeConfig has no setting that places the router (request 3 in
-    /tmp/helper_requests/multinode.md): this is what `get_or_create_router` does, plus the resources."""
-    from deployments.app import NAMESPACE, ROUTER_NAME
-    from deployments.cluster.router import RouterActor
-
-    return RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
-                               resources=resources).remote(config)
-
-
-def start_pdserve(config: Any, router_resources: dict[str, float], timeout_s: float = 600.0) -> tuple[Any, Any]:
-    """pdserve's router on the host with `router_resources`, once its first workers are ready (each
-    host resolves and loads the model itself), and a StreamHub on the driver's own node, which no
-    test kills: (router, hub) for `stream_all`."""
+def start_pdserve(config: Any, timeout_s: float = 600.0) -> tuple[Any, Any]:
+    """pdserve's router where `config.router_resources` place it (as the ingress creates it), once its
+    first workers are ready (each host resolves and loads the model itself), and a StreamHub on the
+    driver's own node, which no test kills: (router, hub) for `stream_all`."""
     import ray
 
+    from deployments.app import get_or_create_router
     from deployments.frontend.stream_hub import StreamHub
 
-    router = pin_router(config, router_resources)
+    router = get_or_create_router(config)
     ray.get(router.wait_ready.remote(timeout_s), timeout=timeout_s + 100)
     return router, StreamHub.options(scheduling_strategy=on_this_node()).remote()
+
+
+def deploy_http(bed: Any, config: Any) -> str:
+    """The HTTP app as `serve deploy serve_config.yaml` builds it (`build_app`, so the ingress goes
+    where `config.ingress_resources` place it), behind Serve's proxy on the head; its /v1 URL."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    serve.start(proxy_location="HeadOnly", http_options={"host": "0.0.0.0", "port": 8000})
+    serve.run(build_app(config.to_dict()), name="pdserve", route_prefix="/")
+    return f"http://{bed.hosts['head'].ip}:8000/v1"
 
 
 def on_this_node() -> Any:

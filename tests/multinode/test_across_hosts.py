@@ -22,14 +22,15 @@ import ray
 from deployments.config import RAY_ENV_DEFAULTS, ServeConfig
 from engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import run_offline, wait_for, wait_no_leaks
-from netbed import HostSpec, host_of_node, pids_titled, start_pdserve, stream_all
+from netbed import HostSpec, deploy_http, host_of_node, pids_titled, start_pdserve, stream_all
 
 pytestmark = pytest.mark.multinode
 
 HOSTS = [HostSpec("head", 0, {"router": 1}), HostSpec("ing", 0, {"ingress": 1}), HostSpec("pre", 1, {"prefill": 1}),
          HostSpec("dec1", 1, {"decode": 1}), HostSpec("dec2", 1, {"decode": 1})]
 SETTINGS = dict(num_prefill_workers=1, num_decode_workers=2, prefill_resources={"prefill": 1},
-                decode_resources={"decode": 1}, kv_cache_memory_mb=64, max_num_seqs=8,
+                decode_resources={"decode": 1}, router_resources={"router": 1}, ingress_resources={"ingress": 1},
+                kv_cache_memory_mb=64, max_num_seqs=8,
                 # every prompt through the prefill pool: its KV crosses to a decode host
                 local_prefill_max_tokens=0, health_check_timeout_s=5.0, request_timeout_s=120.0)
 PROMPTS = [f"Write a short story number {i} about a {w}." for i, w in
@@ -42,7 +43,7 @@ LONG_MAX_TOKENS = 160
 def cluster(make_bed):
     bed = make_bed(HOSTS[0], HOSTS[1:], env=dict(RAY_ENV_DEFAULTS))
     config = ServeConfig.from_dict(SETTINGS)
-    router, hub = start_pdserve(config, {"router": 1})  # each worker's host converts SmolLM2 itself first
+    router, hub = start_pdserve(config)  # each worker's host converts SmolLM2 itself first
     return bed, router, hub, config
 
 
@@ -156,19 +157,14 @@ def test_a_new_host_takes_the_dead_workers_place(cluster, offline):
 
 def test_http_chat_streams_across_hosts_as_offline(cluster, offline):
     from openai import OpenAI
-    from ray import serve
-
-    from deployments.app import OpenAIIngress
 
     bed, router, _, config = cluster
-    serve.start(proxy_location="HeadOnly", http_options={"host": "0.0.0.0", "port": 8000})
-    app = OpenAIIngress.options(num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {"ingress": 1}})
-    serve.run(app.bind(config.to_dict()), name="pdserve", route_prefix="/")
+    url = deploy_http(bed, config)  # the ingress on `ing` by its setting, ingress_resources
     assert pids_titled(bed, "ing", "ray::ServeReplica:pdserve:OpenAIIngress")
     q = PROMPTS[0]
     [ref] = run_offline(offline, [offline.apply_chat_template([{"role": "user", "content": q}])],
                         SamplingParams(max_tokens=24, temperature=0))
-    client = OpenAI(base_url=f"http://{bed.hosts['head'].ip}:8000/v1", api_key="unused", max_retries=0, timeout=120)
+    client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
     chunks = client.chat.completions.create(model=config.served_model_name, messages=[{"role": "user", "content": q}],
                                             max_tokens=24, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text

@@ -22,7 +22,8 @@ SKEW_S = 6 * LEASE_S
 HOSTS = [HostSpec("head", 0, {"router": 1}), HostSpec("pre", 1, {"prefill": 1}),
          HostSpec("dec", 1, {"decode": 1}, wall_clock_skew_s=SKEW_S)]
 SETTINGS = dict(num_prefill_workers=1, num_decode_workers=1, prefill_resources={"prefill": 1},
-                decode_resources={"decode": 1}, kv_cache_memory_mb=32, max_num_seqs=8, local_prefill_max_tokens=0,
+                decode_resources={"decode": 1}, router_resources={"router": 1}, kv_cache_memory_mb=32, max_num_seqs=8,
+                local_prefill_max_tokens=0,
                 kv_lease_s=LEASE_S, health_check_timeout_s=5.0, request_timeout_s=30.0)
 PARAMS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -32,7 +33,7 @@ def cluster(make_bed, tiny_model_dir):
     local = tiny_model_dir("llama")
     bed = make_bed(HOSTS[0], HOSTS[1:], env=dict(RAY_ENV_DEFAULTS))
     model = bed.provision(local, "models/tiny-llama")
-    router, hub = start_pdserve(ServeConfig.from_dict({**SETTINGS, "model": model}), {"router": 1})
+    router, hub = start_pdserve(ServeConfig.from_dict({**SETTINGS, "model": model}))
     return bed, router, hub, LLMEngine(EngineConfig(model=local, num_kv_blocks=256))
 
 

@@ -3,8 +3,8 @@ seconds: the HTTP door on a host of its own, streaming as the offline engine; an
 for a second prefill worker no host has room for, until a new host joins (what an autoscaler would
 add) and the next burst is shared between the two prefill hosts.
 
-    driver ── bridge ──┬── head: GCS, Serve controller + proxy, router
-                       ├── ing:  HTTP ingress replica
+    driver ── bridge ──┬── head: GCS, Serve controller + proxy
+                       ├── ing:  HTTP ingress replica and router (their settings place them)
                        ├── pre1: prefill worker          (pre2 joins for the scale-up)
                        └── dec1: decode worker
 """
@@ -17,14 +17,15 @@ import ray
 from deployments.config import RAY_ENV_DEFAULTS, ServeConfig
 from engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import run_offline, wait_for, wait_no_leaks
-from netbed import HostSpec, host_of_node, pids_titled, ray_processes, start_pdserve, stream_all
+from netbed import HostSpec, deploy_http, host_of_node, pids_titled, ray_processes, start_pdserve, stream_all
 
 pytestmark = pytest.mark.multinode
 
-HOSTS = [HostSpec("head", 0, {"router": 1}), HostSpec("ing", 0, {"ingress": 1}), HostSpec("pre1", 1, {"prefill": 1}),
+HOSTS = [HostSpec("head", 0), HostSpec("ing", 0, {"ingress": 1, "router": 1}), HostSpec("pre1", 1, {"prefill": 1}),
          HostSpec("dec1", 1, {"decode": 1})]
 SETTINGS = dict(num_prefill_workers=1, prefill_max_workers=2, num_decode_workers=1, prefill_resources={"prefill": 1},
-                decode_resources={"decode": 1}, kv_cache_memory_mb=32, max_num_seqs=8, max_num_batched_tokens=32,
+                decode_resources={"decode": 1}, router_resources={"router": 1}, ingress_resources={"ingress": 1},
+                kv_cache_memory_mb=32, max_num_seqs=8, max_num_batched_tokens=32,
                 # a tiny model's burst is over in a second or two: scale on the first tick that sees it
                 prefill_target_queued_tokens=256, upscale_delay_s=0.0, autoscale_interval_s=0.2,
                 downscale_delay_s=600.0, local_prefill_max_tokens=0, health_check_timeout_s=5.0,
@@ -38,23 +39,16 @@ def cluster(make_bed, tiny_model_dir):
     bed = make_bed(HOSTS[0], HOSTS[1:], env=dict(RAY_ENV_DEFAULTS))
     model = bed.provision(local, "models/tiny-llama")  # one path, a copy on every host (and every later one)
     config = ServeConfig.from_dict({**SETTINGS, "model": model})
-    router, hub = start_pdserve(config, {"router": 1})
+    router, hub = start_pdserve(config)
     return bed, router, hub, config, LLMEngine(EngineConfig(model=local, num_kv_blocks=256))
 
 
 @pytest.fixture(scope="module")
 def http_url(cluster):
-    """The HTTP app: Serve's proxy on the head, the ingress replica on host `ing`."""
-    from ray import serve
-
-    from deployments.app import OpenAIIngress
-
+    """The HTTP app (`build_app`): Serve's proxy on the head, the ingress replica on host `ing` by its
+    setting, ingress_resources."""
     bed, _, _, config, _ = cluster
-    serve.start(proxy_location="HeadOnly", http_options={"host": "0.0.0.0", "port": 8000})
-    # NOTE: no ServeConfig setting places the ingress (request 3): its options, with a resource.
-    app = OpenAIIngress.options(num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {"ingress": 1}})
-    serve.run(app.bind(config.to_dict()), name="pdserve", route_prefix="/")
-    return f"http://{bed.hosts['head'].ip}:8000/v1"
+    return deploy_http(bed, config)
 
 
 def test_http_chat_streams_from_another_host_as_offline(cluster, http_url):
@@ -63,6 +57,7 @@ def test_http_chat_streams_from_another_host_as_offline(cluster, http_url):
     bed, router, _, config, offline = cluster
     assert pids_titled(bed, "ing", "ray::ServeReplica:pdserve:OpenAIIngress"), ray_processes(bed, "ing")
     assert pids_titled(bed, "head", "ray::ProxyActor")
+    assert pids_titled(bed, "ing", "ray::Router") and not pids_titled(bed, "head", "ray::Router")
     q = [{"role": "user", "content": "What is the capital of France?"}]
     [ref] = run_offline(offline, [offline.apply_chat_template(q)], SamplingParams(max_tokens=24, temperature=0))
     client = OpenAI(base_url=http_url, api_key="unused", max_retries=0, timeout=120)

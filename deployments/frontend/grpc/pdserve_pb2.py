@@ -24,25 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'deployments/frontend/grpc/pdserve.proto\x12\x07pdserve\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb8\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12&\n\x08messages\x18\x04 \x03(\x0b\x32\x14.pdserve.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x17\n\ncache_salt\x18\x0f \x01(\tH\x06\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_cache_salt\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"}\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.pdserve.Usage\"\x0f\n\rHealthRequest\"E\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\x03 \x01(\t2\x8a\x01\n\nGeneration\x12\x41\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x19.pdserve.GenerateResponse0\x01\x12\x39\n\x06Health\x12\x16.pdserve.HealthRequest\x1a\x17.pdserve.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'deployments/frontend/grpc/pdserve.proto\x12\x07pdserve\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"/\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\x89\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12&\n\x08messages\x18\x04 \x03(\x0b\x32\x14.pdserve.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x08 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x17\n\nmin_tokens\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x10\n\x08priority\x18\x0e \x01(\x05\x12\x17\n\ncache_salt\x18\x0f \x01(\tH\x06\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\x05H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x13 \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x14 \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x15 \x01(\x02H\x0c\x88\x01\x01\x12\x12\n\x05min_p\x18\x16 \x01(\x02H\r\x88\x01\x01\x12;\n\nlogit_bias\x18\x17 \x03(\x0b\x32\'.pdserve.GenerateRequest.LogitBiasEntry\x12\x34\n\x11structured_output\x18\x1e \x01(\x0b\x32\x19.pdserve.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_min_tokensB\r\n\x0b_cache_saltB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"\xe5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1d\n\x05usage\x18\x05 \x01(\x0b\x32\x0e.pdserve.Usage\x12\r\n\x05index\x18\x06 \x01(\x05\x12\'\n\x08logprobs\x18\x07 \x03(\x0b\x32\x15.pdserve.TokenLogprob\x12.\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x15.pdserve.TokenLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"s\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05token\x18\x03 \x01(\t\x12 \n\x03top\x18\x04 \x03(\x0b\x32\x13.pdserve.TopLogprobB\n\n\x08_logprob\"\x0f\n\rHealthRequest\"E\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x64\x65tails_json\x18\x03 \x01(\t2\x8a\x01\n\nGeneration\x12\x41\n\x08Generate\x12\x18.pdserve.GenerateRequest\x1a\x19.pdserve.GenerateResponse0\x01\x12\x39\n\x06Health\x12\x16.pdserve.HealthRequest\x1a\x17.pdserve.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'deployments.frontend.grpc.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=52
   _globals['_CHATMESSAGE']._serialized_end=96
-  _globals['_GENERATEREQUEST']._serialized_start=99
-  _globals['_GENERATEREQUEST']._serialized_end=539
-  _globals['_USAGE']._serialized_start=541
-  _globals['_USAGE']._serialized_end=643
-  _globals['_GENERATERESPONSE']._serialized_start=645
-  _globals['_GENERATERESPONSE']._serialized_end=770
-  _globals['_HEALTHREQUEST']._serialized_start=772
-  _globals['_HEALTHREQUEST']._serialized_end=787
-  _globals['_HEALTHRESPONSE']._serialized_start=789
-  _globals['_HEALTHRESPONSE']._serialized_end=858
-  _globals['_GENERATION']._serialized_start=861
-  _globals['_GENERATION']._serialized_end=999
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=98
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=145
+  _globals['_GENERATEREQUEST']._serialized_start=148
+  _globals['_GENERATEREQUEST']._serialized_end=1053
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=800
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=848
+  _globals['_USAGE']._serialized_start=1055
+  _globals['_USAGE']._serialized_end=1157
+  _globals['_GENERATERESPONSE']._serialized_start=1160
+  _globals['_GENERATERESPONSE']._serialized_end=1389
+  _globals['_TOPLOGPROB']._serialized_start=1391
+  _globals['_TOPLOGPROB']._serialized_end=1453
+  _globals['_TOKENLOGPROB']._serialized_start=1455
+  _globals['_TOKENLOGPROB']._serialized_end=1570
+  _globals['_HEALTHREQUEST']._serialized_start=1572
+  _globals['_HEALTHREQUEST']._serialized_end=1587
+  _globals['_HEALTHRESPONSE']._serialized_start=1589
+  _globals['_HEALTHRESPONSE']._serialized_end=1658
+  _globals['_GENERATION']._serialized_start=1661
+  _globals['_GENERATION']._serialized_end=1799
 # @@protoc_insertion_point(module_scope)

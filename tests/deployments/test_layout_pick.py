@@ -1,0 +1,44 @@
+"""`pdserve serve` with no layout flags picks the layout for the hardware it finds (README "Choosing a
+layout"); any layout flag, or a YAML/`build_app` config, keeps exactly what it says."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.config import ServeConfig
+from deployments.serve_cli import Hardware, pick_layout, with_layout
+
+
+def test_a_cpu_host_gets_one_colocated_worker_with_a_thread_per_core(capsys):
+    settings = with_layout({}, Hardware(cpus=2, gpus=0))
+    cfg = ServeConfig.from_dict(settings)
+    assert cfg.colocated and cfg.num_decode_workers == 1
+    assert cfg.engine.num_threads == 2 and cfg.worker_num_cpus == 2.0 and cfg.engine.device == "cpu"
+    out = capsys.readouterr().out
+    assert "2 CPU cores, no GPU: colocated, 1 worker x 2 threads" in out
+    assert "--prefill-workers 1 --decode-workers 1" in out  # the disaggregated layout, one flag away
+
+
+def test_gpus_per_pool_get_the_disaggregated_layout():
+    cfg = ServeConfig.from_dict(with_layout({}, Hardware(cpus=16, gpus=4)))
+    assert (cfg.num_prefill_workers, cfg.num_decode_workers, cfg.worker_num_gpus) == (2, 2, 1.0)
+    assert cfg.engine.device == "cuda"
+    one = ServeConfig.from_dict(with_layout({}, Hardware(cpus=8, gpus=1)))
+    assert one.colocated and one.worker_num_gpus == 1.0
+
+
+def test_a_cpu_cluster_gets_a_colocated_worker_per_node():
+    layout, text = pick_layout(Hardware(cpus=8, gpus=0, nodes=3))
+    assert layout["num_decode_workers"] == 3 and layout["num_threads"] == 8 and "3 workers x 8 threads" in text
+
+
+@pytest.mark.parametrize("given", [{"num_prefill_workers": 1}, {"num_threads": 1}, {"num_decode_workers": 2},
+                                   {"worker_num_cpus": 0.5}, {"prefill_resources": {"prefill": 0.01}}])
+def test_any_layout_setting_keeps_the_layout_as_given(given, capsys):
+    assert with_layout(dict(given), Hardware(cpus=2, gpus=0)) == given
+    assert capsys.readouterr().out == ""
+
+
+def test_device_cpu_on_a_gpu_host_picks_the_cpu_layout():
+    settings = with_layout({"device": "cpu"}, Hardware(cpus=4, gpus=2))
+    assert settings["num_prefill_workers"] == 0 and settings["num_threads"] == 4 and settings["device"] == "cpu"
