@@ -3,9 +3,10 @@
 No Ray in here; deployments/cluster/kv_endpoint.py is the Ray glue. Each module imports only modules
 listed below it (no cycles, no imports inside functions to dodge one):
 
-    factory              make_transport: gloo or NCCL, from the KV cache's device
+    factory              make_transport -> DeviceTransport: per peer gloo, NCCL, or staged (one GPU)
     endpoints            KVSender / KVReceiver: one request's leased blocks over the protocol
     protocol             header, chunks and acknowledgement over one channel
+    staged               gloo channels carrying a GPU cache through pinned host memory (a pair on one GPU)
     gloo, nccl, inproc   the transports
     transport            the Channel / Transport interface
     lease                leases on exported blocks
