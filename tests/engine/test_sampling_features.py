@@ -193,7 +193,10 @@ def test_shared_prefill_computes_common_blocks_once(llm):
     eng = llm.engine
     eng.block_manager.reset_prefix_cache()
     prompt = [(7 * i + 3) % 5000 + 10 for i in range(200)]
-    params = [SamplingParams(max_tokens=6, temperature=0 if i == 0 else 1.0, seed=i) for i in range(4)]
+    # speculative=False: a seeded draw is reproducible across engine histories only without speculation
+    # (rejection sampling keeps the distribution, not the draws), and this compares two histories.
+    params = [SamplingParams(max_tokens=6, temperature=0 if i == 0 else 1.0, seed=i, speculative=False)
+              for i in range(4)]
     for i, sp in enumerate(params):
         eng.add_request(f"s{i}", prompt, sp)
     shared, computed = _prompt_tokens_computed(eng)
