@@ -159,18 +159,24 @@ class GrammarCache:
 
     def state_for(self, params: Any, output_token_ids: list[int] = ()) -> "GrammarState | None":
         """`new_state` for a request with these SamplingParams; None when it has no `structured` spec."""
-        return None if params.structured is None else self.new_state(params.structured, output_token_ids)
+        if params.structured is None:
+            return None
+        state = self.new_state(params.structured, output_token_ids)
+        state.bans_stops = params.min_tokens > 0
+        return state
 
 
 class GrammarState:
     """One request's position in its grammar."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "bans_stops")
 
     def __init__(self, compiled) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
+        # The request bans its stop tokens for a while (min_tokens): its mask can then leave no token.
+        self.bans_stops = False
 
     def fill_mask(self, bitmask: "torch.Tensor", index: int) -> None:
         """Write the tokens allowed next into row `index` of `bitmask` (xgrammar's packed int32 layout)."""
@@ -194,7 +200,7 @@ def apply_masks(logits: "torch.Tensor", rows: list[int], states: list[GrammarSta
     # NOTE: xgrammar's `indices` address the same row of the logits and of the bitmask, so the bitmask
     # has a row per logits row; only the constrained ones are filled (the rest stay all-allowed, unread).
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
-    failed, ok_rows = [], []
+    failed, ok_rows, banning = [], [], []
     for i, (row, state) in enumerate(zip(rows, states)):
         try:
             state.fill_mask(bitmask, row)
@@ -202,6 +208,26 @@ def apply_masks(logits: "torch.Tensor", rows: list[int], states: list[GrammarSta
             failed.append(i)
             continue
         ok_rows.append(row)
+        if state.bans_stops:
+            banning.append((row, state))
     if ok_rows:
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=ok_rows)
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=ok_rows)
+        if banning:
+            _give_back_the_end(logits, bitmask, banning)
     return failed
+
+
+def _give_back_the_end(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: list[tuple[int, GrammarState]]) -> None:
+    """A row left with no token at all, because its grammar allows only its end and min_tokens banned the
+    stop tokens, gets the grammar's stop tokens back: the grammar decides where a constrained answer
+    ends (min_tokens keeps it going only while the grammar allows more)."""
+    import torch
+    import xgrammar as xgr
+
+    index = torch.tensor([row for row, _ in rows], device=logits.device)
+    dead = (logits.index_select(0, index).amax(dim=-1) == float("-inf")).tolist()
+    for (row, state), is_dead in zip(rows, dead):
+        if is_dead and state.matcher.is_completed():
+            logits[row, state.matcher.stop_token_ids] = 0.0
+            xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[row])  # only the stops it allows

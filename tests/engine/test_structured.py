@@ -73,6 +73,21 @@ def test_json_object_regex_choice_and_grammar(llm, temperature):
                for t in _run(llm, StructuredSpec("grammar", grammar), temperature, max_tokens=200))
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_yields_to_a_complete_grammar(llm, temperature):
+    """min_tokens bans the stop tokens; a grammar that allows nothing but its end still ends ("stop", no
+    error), and one that allows more keeps going until min_tokens or its own end."""
+    short = [SamplingParams(max_tokens=20, min_tokens=8, temperature=temperature, seed=s,
+                            structured=StructuredSpec("choice", json.dumps(["yes", "no"]))) for s in range(4)]
+    outs = llm.generate(PROMPTS, short)
+    assert all(o.finish_reason == "stop" and o.text in ("yes", "no") for o in outs), [(o.text, o.error) for o in outs]
+    longer = [SamplingParams(max_tokens=30, min_tokens=6, temperature=temperature, seed=s,
+                             structured=StructuredSpec("regex", "[0-9]{1,12}")) for s in range(4)]
+    for o in llm.generate(PROMPTS, longer):
+        assert o.finish_reason == "stop" and re.fullmatch("[0-9]{1,12}", o.text), (o.text, o.error)
+        assert len(o.token_ids) >= 6 or len(o.text) == 12, o.text
+
+
 @pytest.mark.parametrize("spec,field", [
     (StructuredSpec("json_schema", "{not json"), "response_format"),
     (StructuredSpec("json_schema", json.dumps({"type": 5})), "response_format"),
