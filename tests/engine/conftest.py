@@ -33,3 +33,14 @@ def tiny_model_dir(tiny_model_dir):
             return make(model_type)
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _integrity(request):
+    """After every test that used an `llm` fixture: its engine's block accounting holds and it holds
+    no blocks (nothing leaks, whatever the test did)."""
+    yield
+    if "llm" in request.fixturenames:
+        eng = request.getfixturevalue("llm").engine
+        eng.check_integrity()
+        assert eng.block_manager.num_used_blocks == 0

@@ -19,15 +19,6 @@ def llm(tiny_model_dir, request):
                max_model_len=200)
 
 
-@pytest.fixture(autouse=True)
-def _integrity(request):
-    yield
-    if "llm" in request.fixturenames:
-        eng = request.getfixturevalue("llm").engine
-        eng.check_integrity()
-        assert eng.block_manager.num_used_blocks == 0
-
-
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),

@@ -15,15 +15,6 @@ def llm(tiny_model_dir):
     return LLM(model=tiny_model_dir("llama"), num_kv_blocks=64, block_size=4, max_model_len=200)
 
 
-@pytest.fixture(autouse=True)
-def _integrity(request):
-    yield
-    if "llm" in request.fixturenames:
-        eng = request.getfixturevalue("llm").engine
-        eng.check_integrity()
-        assert eng.block_manager.num_used_blocks == 0
-
-
 @pytest.mark.parametrize("kwargs,field", [
     (dict(temperature=math.nan), "temperature"),
     (dict(temperature=math.inf), "temperature"),

@@ -34,15 +34,6 @@ def llm(model_dir):
                max_num_batched_tokens=16)
 
 
-@pytest.fixture(autouse=True)
-def _integrity(request):
-    yield
-    if "llm" in request.fixturenames:
-        eng = request.getfixturevalue("llm").engine
-        eng.check_integrity()
-        assert eng.block_manager.num_used_blocks == 0
-
-
 def reference(hf, tokens: list[int]) -> torch.Tensor:
     """Log-softmax of transformers' fp32 logits at every position of `tokens`."""
     with torch.no_grad():

@@ -34,15 +34,6 @@ def hf(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(autouse=True)
-def _integrity(request):
-    yield
-    if "llm" in request.fixturenames:
-        eng = request.getfixturevalue("llm").engine
-        eng.check_integrity()
-        assert eng.block_manager.num_used_blocks == 0
-
-
 @pytest.mark.parametrize("kwargs,field", [
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-2.01), "frequency_penalty"),
