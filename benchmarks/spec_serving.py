@@ -1,6 +1,7 @@
 """Speculative decoding through the server: off / ngram / suffix at several concurrencies, two workloads.
 
     .venv/bin/python benchmarks/spec_serving.py [--quick] [--concurrency 1,4,16,64] [--json out.json]
+    .venv/bin/python benchmarks/spec_serving.py --cells copy:1:8,random:64:128   # chosen cells only
 
 One run starts `pdserve serve`'s default layout (one prefill and one decode worker, one thread each,
 adaptive speculation on) once per method, in a local Ray, and drives it with `pdserve bench`'s load
@@ -72,15 +73,15 @@ class Workloads:
         self.data_dir = Path(args.work_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
 
-    def num_requests(self, concurrency: int) -> int:
-        return max(3, self.args.per_slot * concurrency)
+    def num_requests(self, concurrency: int, requests: int | None = None) -> int:
+        return requests or max(3, self.args.per_slot * concurrency)
 
-    def copy_dataset(self, concurrency: int) -> Path:
+    def copy_dataset(self, concurrency: int, requests: int | None = None) -> Path:
         """A JSONL file of chat-templated copy prompts (token ids) for one cell, fresh texts each call."""
         import json
 
         lines = []
-        for _ in range(self.num_requests(concurrency)):
+        for _ in range(self.num_requests(concurrency, requests)):
             i = self._next_text
             self._next_text += 1
             text = self.texts[i % len(self.texts)]
@@ -93,12 +94,12 @@ class Workloads:
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    def config(self, url: str, workload: str, concurrency: int, cell: int) -> BenchConfig:
-        common = dict(base_url=url, model=MODEL_NAME, num_prompts=self.num_requests(concurrency),
+    def config(self, url: str, workload: str, concurrency: int, cell: int, requests: int | None = None) -> BenchConfig:
+        common = dict(base_url=url, model=MODEL_NAME, num_prompts=self.num_requests(concurrency, requests),
                       max_concurrency=concurrency, progress=False, timeout_s=self.args.cell_timeout_s,
                       vocab_size=self.tokenizer.vocab_size, seed=1000 + cell)
         if workload == "copy":
-            return BenchConfig(**common, dataset=str(self.copy_dataset(concurrency)), ignore_eos=False)
+            return BenchConfig(**common, dataset=str(self.copy_dataset(concurrency, requests)), ignore_eos=False)
         return BenchConfig(**common, input_len=self.args.input_len, output_len=self.args.output_len, ignore_eos=True)
 
 
@@ -116,22 +117,19 @@ def run_method(method: str, work: Workloads, args: argparse.Namespace) -> list[d
     work._next_text = 0  # every method copies the same texts in the same cells
     with serve_app(app_args, num_cpus=args.num_cpus) as url:
         warm_up(url, work.tokenizer.vocab_size)
-        cell = 0
-        for workload in args.workloads:
-            for c in args.concurrency:
-                cell += 1
-                t0 = time.perf_counter()
-                res = run_benchmark(work.config(url, workload, c, cell))
-                m, spec = res["metrics"], res["server_speculation"]
-                row = {"method": method, "workload": workload, "concurrency": c, "completed": m["completed"],
-                       "failed": m["failed"], "output_tokens": m["total_output_tokens"],
-                       "output_tok_s": m["output_throughput"], "tpot_p50_ms": m["tpot_ms"]["p50"],
-                       "tpot_p99_ms": m["tpot_ms"]["p99"], "acceptance_rate": spec and spec["acceptance_rate"],
-                       "mean_accepted_length": spec and spec["mean_accepted_length"],
-                       "drafted": spec and spec["num_drafted"]}
-                rows.append(row)
-                print(f"  {method:6s} {workload:6s} c={c:<3d} {row['output_tok_s']:8.1f} tok/s  "
-                      f"TPOT p50 {fmt(row['tpot_p50_ms'])} ms  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        for cell, (workload, c, requests) in enumerate(args.cells, start=1):
+            t0 = time.perf_counter()
+            res = run_benchmark(work.config(url, workload, c, cell, requests))
+            m, spec = res["metrics"], res["server_speculation"]
+            row = {"method": method, "workload": workload, "concurrency": c, "completed": m["completed"],
+                   "failed": m["failed"], "output_tokens": m["total_output_tokens"],
+                   "output_tok_s": m["output_throughput"], "tpot_p50_ms": m["tpot_ms"]["p50"],
+                   "tpot_p99_ms": m["tpot_ms"]["p99"], "acceptance_rate": spec and spec["acceptance_rate"],
+                   "mean_accepted_length": spec and spec["mean_accepted_length"],
+                   "drafted": spec and spec["num_drafted"]}
+            rows.append(row)
+            print(f"  {method:6s} {workload:6s} c={c:<3d} {row['output_tok_s']:8.1f} tok/s  "
+                  f"TPOT p50 {fmt(row['tpot_p50_ms'])} ms  ({time.perf_counter() - t0:.0f} s)", flush=True)
     return rows
 
 
@@ -141,7 +139,7 @@ def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
     for r in rows:
         base = off.get((r["workload"], r["concurrency"]))
         r["ratio_vs_off"] = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else None
-    for workload in args.workloads:
+    for workload in dict.fromkeys(w for w, _, _ in args.cells):
         table = [[r["concurrency"], r["method"], fmt(r["output_tok_s"]), fmt(r["ratio_vs_off"], 2),
                   fmt(r["tpot_p50_ms"]), fmt(r["tpot_p99_ms"]),
                   "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}",
@@ -180,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=4, help="Ray's logical CPUs for the local cluster")
     p.add_argument("--no-adaptive", action="store_true", help="always draft num_speculative_tokens")
     p.add_argument("--cell-timeout-s", type=float, default=600.0)
+    p.add_argument("--cells", default=None, metavar="W:C[:N],...",
+                   help="only these cells (workload:concurrency, optionally :requests), in this order; "
+                        "instead of every workload x --concurrency")
     p.add_argument("--work-dir", default="/tmp/pdserve-spec-serving")
     p.add_argument("--json", default=None, metavar="PATH")
     args = p.parse_args(argv)
@@ -193,10 +194,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for m in args.methods:
         if m not in METHODS:
             p.error(f"--methods: {m!r} is not one of {', '.join(METHODS)}")
-    for w in args.workloads:
-        if w not in WORKLOADS:
-            p.error(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
+    args.cells = _cells(p, args)
     return args
+
+
+def _cells(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, int, int | None]]:
+    """(workload, concurrency, requests or None for per_slot x C) of every cell, in run order."""
+    if args.cells is None:
+        cells = [(w, c, None) for w in args.workloads for c in args.concurrency]
+    else:
+        cells = []
+        for item in args.cells.split(","):
+            parts = item.split(":")
+            if len(parts) not in (2, 3) or not all(x.isdigit() and int(x) > 0 for x in parts[1:]):
+                p.error(f"--cells: {item!r} is not workload:concurrency[:requests]")
+            cells.append((parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None))
+    for w, _, _ in cells:
+        if w not in WORKLOADS:
+            p.error(f"--workloads/--cells: {w!r} is not one of {', '.join(WORKLOADS)}")
+    return cells
 
 
 def main(argv: list[str] | None = None) -> int:

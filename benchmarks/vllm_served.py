@@ -1,5 +1,5 @@
 """The served systems side by side over HTTP: `pdserve serve` as shipped, its disaggregated layout, the
-engine alone behind the same HTTP app, and vLLM's CPU backend server, all driven by the same client
+engine behind a bare HTTP app, and vLLM's CPU backend server, all driven by the same client
 (`pdserve bench`'s load generator, streaming /v1/completions, random-token prompts, ignore_eos) on
 the same cores, in one run:
 
@@ -9,7 +9,8 @@ the same cores, in one run:
 
 Every server is started, warmed up, measured on every scenario, and stopped before the next one
 starts. The table gives output tok/s, TTFT and TPOT (p50 / p99) per server and scenario, and ratios
-against vLLM and against the engine alone.
+against vLLM and against the engine alone ("offline": the same shapes stepped in this process, no
+HTTP; burst and fixed concurrency only).
 
     .venv/bin/python benchmarks/vllm_served.py --vllm-python /path/to/vllm-venv/bin/python [--json out.json]
         [--servers engine,pdserve,pdserve-disagg,vllm] [--scenarios burst,poisson,c1,c8]
@@ -52,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import MODEL_NAME, engine_http_server, fmt, free_port, print_table  # noqa: E402
 from deployments.bench_cli import BenchConfig, run_benchmark  # noqa: E402
 
-SERVERS = ("engine", "pdserve", "pdserve-disagg", "vllm")
+SERVERS = ("offline", "engine", "pdserve", "pdserve-disagg", "vllm")
 SCENARIOS = {
     "burst": dict(num_prompts=64, input_len_range=(128, 384), output_len_range=(64, 192)),
     "poisson": dict(num_prompts=32, request_rate=1.0, input_len_range=(128, 384), output_len_range=(64, 192)),
@@ -129,7 +130,9 @@ def server(name: str, args: argparse.Namespace, workdir: Path) -> contextlib.Abs
 
 
 def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict:
-    base = BenchConfig(base_url="", model=MODEL_NAME, vocab_size=49152, seed=args.seed, progress=False,
+    if name == "offline":
+        return measure_offline(args)
+    base = BenchConfig(base_url="http://unset", model=MODEL_NAME, vocab_size=49152, seed=args.seed, progress=False,
                        timeout_s=args.timeout_s)
     out = {}
     with server(name, args, workdir) as url:
@@ -139,6 +142,52 @@ def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict:
             out[sc] = m
             print(f"  {name} {sc}: {m['completed']}/{m['num_requests']} ok, {m['output_throughput']:.1f} tok/s, "
                   f"TTFT p50 {m['ttft_ms']['p50']:.0f} ms, TPOT p50 {m['tpot_ms']['p50']:.0f} ms", flush=True)
+    return out
+
+
+def _pcts(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")  # noqa: E731
+    return {"p50": pick(0.5), "p99": pick(0.99)}
+
+
+def measure_offline(args: argparse.Namespace) -> dict:
+    """The engine alone, in this process, no HTTP: the same shapes admitted as the client would
+    (all at once, or `max_concurrency` in flight), stepped to the end. Poisson arrivals are skipped."""
+    from benchmarks.common import make_workload, warm_up
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineConfig(num_threads=args.threads))
+    warm_up(engine)
+    out = {}
+    for sc in args.scenarios:
+        spec = SCENARIOS[sc]
+        if "request_rate" in spec:
+            continue
+        work = make_workload(spec["num_prompts"], spec["input_len_range"], spec["output_len_range"], 49152,
+                             seed=args.seed)
+        limit = spec.get("max_concurrency") or len(work)
+        start, first, end, pending, tokens = {}, {}, {}, list(enumerate(work)), 0
+        t0 = time.perf_counter()
+        while pending or engine.has_unfinished_requests():
+            while pending and engine.num_running + engine.num_waiting < limit:
+                i, w = pending.pop(0)
+                start[str(i)] = time.perf_counter()
+                engine.add_request(str(i), w.prompt_token_ids,
+                                   SamplingParams(max_tokens=w.max_tokens, temperature=0, ignore_eos=True))
+            for o in engine.step():
+                now = time.perf_counter()
+                first.setdefault(o.request_id, now)
+                if o.finished:
+                    end[o.request_id], tokens = now, tokens + len(o.token_ids)
+        wall = time.perf_counter() - t0
+        tpot = [(end[r] - first[r]) / (work[int(r)].max_tokens - 1) for r in end if work[int(r)].max_tokens > 1]
+        out[sc] = {"completed": len(end), "num_requests": len(work), "output_throughput": tokens / wall,
+                   "ttft_ms": _pcts([first[r] - start[r] for r in first]), "tpot_ms": _pcts(tpot)}
+        m = out[sc]
+        print(f"  offline {sc}: {m['output_throughput']:.1f} tok/s, TTFT p50 {m['ttft_ms']['p50']:.0f} ms, "
+              f"TPOT p50 {m['tpot_ms']['p50']:.0f} ms", flush=True)
+    del engine
     return out
 
 
@@ -169,8 +218,8 @@ def report(results: dict[str, dict]) -> None:
         for name, r in results.items():
             rows.append([f"{sc}: {name}", *_cell(r.get(sc))])
         for name in results:
-            for base in ("vllm", "engine"):
-                if name != base and base in results and not name.startswith(("vllm", "engine")):
+            for base in ("vllm", "offline"):
+                if name != base and base in results and name != "vllm" and name != "offline":
                     rows.append([f"{sc}: {name} / {base}", *_ratio(results[name].get(sc), results[base].get(sc))])
     print_table("served side by side (ratios: throughput a/b, latencies b/a: > 1 means a is better)", cols, rows)
 

@@ -65,7 +65,7 @@ class OpenAIIngress:
         self.router = get_or_create_router(cfg)
         info = ray.get(self.router.wait_ready.remote(900.0), timeout=960.0)
         hub_id = f"hub-{uuid.uuid4().hex[:8]}"
-        self.hub = _local_hub()
+        self.hub = StreamHub()  # in this replica's process: it lives and dies with it
         # NOTE: resolved on this replica's own node from the model spec: info.model_dir is a path on a
         # worker's node, which a multi-node cluster's ingress node need not have.
         tokenizer = load_tokenizer(cfg.engine.model, cfg.engine.dtype, cfg.engine.cache_dir)
@@ -79,15 +79,6 @@ class OpenAIIngress:
         return self._asgi
 
 
-def _local_hub() -> Any:
-    """This ingress replica's StreamHub, on the replica's own node: a hub elsewhere would die with
-    that node (a worker's, say) and take every stream of this replica with it."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return StreamHub.options(name=None, scheduling_strategy=here).remote()
-
-
 def _router_serving_state(config: dict):
     """gRPC ingress factory: the same router backend as HTTP, with this replica's own StreamHub."""
     from engine.model_loader import load_tokenizer
@@ -97,7 +88,7 @@ def _router_serving_state(config: dict):
     cfg = ServeConfig.from_dict(config)
     router = get_or_create_router(cfg)
     info = ray.get(router.wait_ready.remote(900.0), timeout=960.0)
-    hub = _local_hub()
+    hub = StreamHub()
     backend = RouterBackend(router, hub, f"hub-{uuid.uuid4().hex[:8]}", cfg.request_timeout_s)
     return ServingState(backend, load_tokenizer(cfg.engine.model, cfg.engine.dtype, cfg.engine.cache_dir),
                         cfg.served_model_name,

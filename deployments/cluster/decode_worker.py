@@ -19,6 +19,13 @@ from kv_transfer import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
 
+# A step whose report would tell the router nothing new (no request finished, joined or left the
+# queue) is reported only when the last report is this old. NOTE: a report per step was one Ray call
+# per token at low concurrency, on the same cores the engine needs (~2 core-ms per token in the router
+# alone on a 2-core host); what changes between steps otherwise is a few KV blocks, which the
+# router's reservations already cover.
+REPORT_EVERY_S = 0.25
+
 
 class _Backup(NamedTuple):
     """A `PrefillWorker.kv_backup` call to make once this step's events are pushed."""
@@ -51,6 +58,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self._me = ray.get_runtime_context().current_actor  # the exporter a prefill worker pulls a copy from
         self.prefix_fetches = 0
         self.prefix_fetch_tokens = 0
+        self._reported = (0.0, -1, -1)  # (when, running, waiting) of the last report sent
+        self._since_report = (0, 0)  # (largest batch, preemptions) of the steps not reported yet
         self._start()
 
     def _fail_all(self, message: str) -> None:
@@ -221,9 +230,19 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             if b is not None:
                 b.target.actor.kv_backup.remote(b.handle, self._me, b.request_id, b.token_ids, b.target.first_block,
                                                 b.cache_salt)
+        batch, preempted = self._since_report
+        batch, preempted = max(batch, stats.num_seqs), preempted + stats.num_preempted
+        now = time.monotonic()
+        when, running, waiting = self._reported
+        if not finished and (report.num_running, report.num_waiting) == (running, waiting) \
+                and now - when < REPORT_EVERY_S:
+            self._since_report = (batch, preempted)
+            return
+        self._reported, self._since_report = (now, report.num_running, report.num_waiting), (0, 0)
         report.finished_ids = finished
-        report.batch_size = stats.num_seqs
+        report.batch_size = batch
         report.step_s = stats.duration_s
-        report.num_preempted = stats.num_preempted
+        report.num_preempted = preempted
+        report.num_steps = self.num_steps
         self.router.report_decode.remote(report)
 

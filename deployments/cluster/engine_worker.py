@@ -3,7 +3,8 @@
 `PrefillWorker` (prefill_worker.py) and `DecodeWorker` (decode_worker.py) build on it. Actor methods run
 on Ray's thread pool (max_concurrency) and touch the engine only under `self.lock`, except
 block-manager calls, which may also run during a step's forward pass (`_on_blocks`). Tokens go straight
-to the ingress replica's StreamHub; the router gets one small message per step.
+to the ingress replica's StreamHub (over hub_wire.py's socket); the decode worker's router reports
+follow changes, not steps (decode_worker.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from deployments import metrics
 from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
 from deployments.config import ServeConfig
+from deployments.frontend.hub_wire import HubAddress, hub_client
 from engine import LLMEngine, RequestOutput
 from engine.device_health import is_device_fatal
 from kv_transfer import KVHandle, KVTransferError
@@ -259,14 +261,13 @@ class EngineWorker:
             self.router.on_finished.remote(self.worker_id, r.request_id)
 
     def _push(self, events: list[StreamEvent], reqs: list[GenRequest]) -> None:
-        """One fire-and-forget call per ingress hub with all of this step's events."""
-        by_hub: dict[str, list[StreamEvent]] = defaultdict(list)
-        hubs: dict[str, Any] = {}
+        """One frame per ingress hub with all of this step's events (sent by a thread: never blocks)."""
+        by_hub: dict[HubAddress, list[StreamEvent]] = defaultdict(list)
         for ev, req in zip(events, reqs):
-            by_hub[req.hub_id].append(ev)
-            hubs[req.hub_id] = req.hub
-        for hub_id, evs in by_hub.items():
-            hubs[hub_id].push.remote(evs)
+            by_hub[req.hub].append(ev)
+        client = hub_client()
+        for hub, evs in by_hub.items():
+            client.push(hub, evs)
 
     def _after_step(self, outs: list[RequestOutput], stats) -> None:
         raise NotImplementedError

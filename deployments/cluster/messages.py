@@ -5,7 +5,7 @@ NamedTuples and Enums, never dicts or tuples whose meaning is by position.
     ingress ──wait_ready()────────▶ router ──▶ ModelInfo
     router  ──info() / snapshot()──▶ worker ──▶ WorkerInfo / WorkerSnapshot
     router  ──admit() / resume()───▶ decode worker ──▶ Admission
-    workers ──StreamEvent──▶ ingress's StreamHub;  decode worker ──DecodeReport──▶ router (every step)
+    workers ──StreamEvent──▶ ingress's StreamHub;  decode worker ──DecodeReport──▶ router (on change)
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from deployments.frontend.hub_wire import HubAddress
 from engine import SamplingParams
 from engine.request import TokenLogprob
 from engine.spec import SpecStats
@@ -39,7 +40,7 @@ class GenRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     hub_id: str
-    hub: object  # ActorHandle of the ingress replica's StreamHub
+    hub: HubAddress  # where the ingress replica's StreamHub listens (frontend/hub_wire.py)
     priority: int = 0
     offset: int = 0
     num_original_prompt_tokens: int = 0
@@ -83,7 +84,9 @@ class StreamEvent:
 
 @dataclass(slots=True)
 class DecodeReport:
-    """A decode worker's report after every step: what the router needs for admission."""
+    """A decode worker's report after a step that changed what the router needs for admission (a
+    request finished, joined or started), else at most every `REPORT_EVERY_S` (decode_worker.py).
+    `batch_size` and `num_preempted` cover every step since the previous report."""
 
     worker_id: str
     num_free_blocks: int
@@ -96,6 +99,7 @@ class DecodeReport:
     num_preempted: int = 0
     prefill_backlog: int = 0  # prompt tokens still to compute here (local prefills, moved sequences)
     spec: SpecStats | None = None  # speculative decoding's counters since the worker started (for /health)
+    num_steps: int = 0  # steps the worker has run
 
 
 class SubmitResult(NamedTuple):

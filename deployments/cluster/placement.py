@@ -190,7 +190,7 @@ class Placement:
         if w is None:
             return []
         w.report = report
-        w.num_steps += 1
+        w.num_steps = max(w.num_steps + 1, report.num_steps)
         w.max_batch_seen = max(w.max_batch_seen, report.batch_size)
         for rid in report.finished_ids:
             self.state.finish(report.worker_id, rid)

@@ -15,6 +15,7 @@ import ray
 from deployments import metrics
 from deployments.cluster.actions import AbortOn, Action, AdmitKV, EndStream, ReleaseKV, RunWhole, ToPrefill
 from deployments.cluster.answers import Answer, Outcome, await_answer
+from deployments.frontend.hub_wire import HubClient, hub_client
 from deployments.cluster.messages import BackupTo, FetchFrom, GenRequest
 from deployments.cluster.placement import Placement
 from deployments.cluster.recovery import Claim, Recovery, Requeue
@@ -51,7 +52,7 @@ class RouterCalls:
                                                                    self.actors[a.prefill_worker_id])
                 loop.create_task(self._admitted(a, ref))
             elif isinstance(a, EndStream):
-                a.req.hub.push.remote([a.event])
+                hub_client().push(a.req.hub, [a.event])
             elif isinstance(a, ReleaseKV):
                 self.actors[a.worker_id].kv_release.remote(a.request_id, a.epoch)
             elif isinstance(a, AbortOn):
@@ -129,7 +130,7 @@ class RouterCalls:
     async def _delivered(self, req: GenRequest) -> list[int] | None:
         """The tokens `req`'s client already has (None: its ingress replica is gone, and so is it)."""
         try:
-            return await asyncio.wait_for(req.hub.delivered.remote(req.request_id), 10)
+            return await asyncio.wait_for(asyncio.to_thread(HubClient.delivered, req.hub, req.request_id, 10.0), 12)
         except Exception:  # noqa: BLE001
             return None
 

@@ -165,6 +165,7 @@ def _sampling_input(req: pdserve_pb2.GenerateRequest) -> SamplingInput:
                          top_p=_optional(req, "top_p"), top_k=_optional(req, "top_k"), seed=_optional(req, "seed"),
                          stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
                          min_tokens=_optional(req, "min_tokens"), presence_penalty=_optional(req, "presence_penalty"),
+                         speculative=_optional(req, "speculative") is not False,  # unset: the server's method
                          frequency_penalty=_optional(req, "frequency_penalty"),
                          repetition_penalty=_optional(req, "repetition_penalty"), min_p=_optional(req, "min_p"),
                          logit_bias=dict(req.logit_bias) or None, logprobs=_optional(req, "logprobs"),

@@ -1,94 +1,143 @@
-"""One `StreamHub` actor per front-door replica (HTTP or gRPC): workers push tokens into it, the
-replica's `RouterBackend` (router_client.py) long-polls it.
+"""One `StreamHub` per front-door replica (HTTP or gRPC), in the replica's own process: workers send
+tokens to it over the wire (hub_wire.py), and it hands them to the replica's streams.
 
     prefill worker ──first token──▶ ┐
-    decode worker ──tokens/step───▶ ├─▶ StreamHub (dedupe by offset) ◀── next_all() ── door replica
+    decode worker ──tokens/step───▶ ├─▶ (TCP) StreamHub (dedupe by offset) ──▶ the request's asyncio.Queue
     (a migrated request's new worker) ┘
+    router ──delivered(request id)──▶ StreamHub: the tokens the client has (a migration resumes after them)
 
-The router never sees a token. A Serve replica cannot be called by other actors directly, so the
-hub stands in for it; it lives and dies with the replica that created it. The replica has one poll
-in flight for all of its streams, not one per request: with many concurrent streams, a call per
-request per step cost more CPU than the tokens themselves. Reads are acknowledged: an event stays in
-the hub until its consumer's next poll says it got it, so a poll whose caller went away (a cancelled
-task, a closed event loop) loses nothing.
+The router never sees a token. The hub listens on its node's address, on a port of its own, and
+serves only connections that prove they hold its key (hub_wire.py). A thread accepts connections
+and one thread per connection (one per sending process) reads its frames; events reach a stream's
+queue through its event loop's `call_soon_threadsafe`.
 
-Nothing stays behind: a stream leaves when its consumer acknowledges its last event, when the
-consumer closes it (client gone, refused at submit), or, finished but never acknowledged (the
-consumer stopped polling), `done_ttl_s` after its last event.
+Nothing stays behind: a stream leaves when its last event is accepted, or when its consumer closes
+it (client gone, refused at submit). Events of streams the hub does not hold are dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-
-import ray
+import hmac
+import logging
+import os
+import secrets
+import socket
+import threading
+from typing import Any
 
 from deployments.cluster.messages import StreamEvent
+from deployments.frontend.hub_wire import HubAddress, WireError, proof, recv_exact, recv_frame, send_frame
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 10.0
+LOST = None  # put on every open stream's queue when the hub shuts down
 
 
 class _Stream:
-    __slots__ = ("owner", "queue", "next_offset", "done", "touched", "delivered", "early")
+    __slots__ = ("queue", "loop", "next_offset", "delivered", "early")
 
-    def __init__(self, owner: str) -> None:
-        self.owner = owner  # the consumer (RouterBackend) that polls this stream
-        self.queue: list[tuple[int, StreamEvent]] = []  # (hub sequence number, event), not yet acknowledged
+    def __init__(self, queue: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> None:
+        self.queue = queue
+        self.loop = loop
         self.next_offset = 0
-        self.done = False
-        self.touched = time.monotonic()
         self.delivered: list[int] = []  # every token accepted so far (what a migration resumes from)
         self.early: list[StreamEvent] = []  # events that arrived before the ones they follow
 
 
-# A finished stream nobody acknowledged is dropped this long after its last event.
-DONE_TTL_S = 60.0
-_SWEEP_EVERY_S = 1.0
+def _bind_address() -> str:
+    """This node's address as Ray knows it (other nodes' workers reach it), else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001
+        pass
+    return "127.0.0.1"
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
 class StreamHub:
-    def __init__(self, done_ttl_s: float = DONE_TTL_S) -> None:
+    """The streams of one front-door replica; `address` is what `GenRequest.hub` carries."""
+
+    def __init__(self, host: str | None = None) -> None:
         self._streams: dict[str, _Stream] = {}
-        self._cond = asyncio.Condition()
-        self._seq = 0
-        self._done_ttl_s = done_ttl_s
-        self._last_sweep = time.monotonic()
+        self._lock = threading.Lock()
+        self._key = secrets.token_bytes(32)
+        self._sock = socket.create_server((host or _bind_address(), 0))
+        self._closed = False
+        self.address = HubAddress(self._sock.getsockname()[0], self._sock.getsockname()[1], self._key)
+        threading.Thread(target=self._listen, name="stream-hub-listen", daemon=True).start()
 
-    async def open(self, request_id: str, owner: str = "") -> None:
-        self._sweep()
-        self._streams[request_id] = _Stream(owner)
+    # ------------------------------------------------------------------ consumer side (this process)
+    def open(self, request_id: str) -> asyncio.Queue:
+        """A new stream for `request_id` on the running event loop: its events arrive on the queue
+        (lists of StreamEvent; LOST if the hub shuts down)."""
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self._streams[request_id] = _Stream(q, asyncio.get_running_loop())
+        return q
 
-    def _sweep(self) -> None:
-        """Drop finished streams whose consumer stopped polling before acknowledging them."""
-        now = time.monotonic()
-        if now - self._last_sweep < min(_SWEEP_EVERY_S, self._done_ttl_s):
-            return
-        self._last_sweep = now
-        for rid in [rid for rid, s in self._streams.items() if s.done and now - s.touched > self._done_ttl_s]:
-            del self._streams[rid]
+    def close(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
 
-    async def push(self, events: list[StreamEvent]) -> None:
-        """Called fire-and-forget by workers, once per step with all of that step's events."""
-        async with self._cond:
+    def delivered(self, request_id: str) -> list[int] | None:
+        """Tokens accepted for `request_id` so far (None if unknown): a migration resumes after them."""
+        with self._lock:
+            s = self._streams.get(request_id)
+            return None if s is None else list(s.delivered)
+
+    def num_streams(self) -> int:
+        """Streams held (a leak check: 0 once every request ended)."""
+        with self._lock:
+            return len(self._streams)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._sock.close()
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            self._deliver(s, LOST)
+
+    # ------------------------------------------------------------------ producer side
+    def push(self, events: list[StreamEvent]) -> None:
+        """Accept `events` (from the wire, or from this process): in offset order, once each."""
+        ready: list[tuple[_Stream, list[StreamEvent]]] = []
+        with self._lock:
+            out: dict[str, list[StreamEvent]] = {}
             for ev in events:
                 s = self._streams.get(ev.request_id)
-                if s is None or s.done:
+                if s is None:
                     continue
                 if ev.offset > s.next_offset:
                     s.early.append(ev)  # e.g. a decode step overtook the prefill's first token
                     continue
-                self._accept(s, ev)
+                accepted = out.setdefault(ev.request_id, [])
+                self._accept(s, ev, accepted)
                 progressed = True
-                while progressed and s.early and not s.done:
+                while progressed and s.early and not (accepted and accepted[-1].finished):
                     progressed = False
                     for e in list(s.early):
                         if e.offset <= s.next_offset:
                             s.early.remove(e)
-                            self._accept(s, e)
+                            self._accept(s, e, accepted)
                             progressed = True
-            self._cond.notify_all()
+            for rid, evs in out.items():
+                if evs:
+                    s = self._streams[rid]
+                    if evs[-1].finished:
+                        del self._streams[rid]  # NOTE: later events for it (a late duplicate) are dropped
+                    ready.append((s, evs))
+        for s, evs in ready:
+            self._deliver(s, evs)
 
-    def _accept(self, s: _Stream, ev: StreamEvent) -> None:
+    @staticmethod
+    def _accept(s: _Stream, ev: StreamEvent, accepted: list[StreamEvent]) -> None:
+        if accepted and accepted[-1].finished:
+            return
         # NOTE: drop what the client already has (a migrated request restarts from `offset`).
         skip = s.next_offset - ev.offset
         if skip > 0:
@@ -99,51 +148,43 @@ class StreamHub:
         s.next_offset += len(ev.token_ids)
         s.delivered.extend(ev.token_ids)
         if ev.token_ids or ev.finished:
-            self._seq += 1
-            s.queue.append((self._seq, ev))
-        s.done = ev.finished
-        s.touched = time.monotonic()
+            accepted.append(ev)
 
-    async def delivered(self, request_id: str) -> list[int] | None:
-        """Tokens accepted for `request_id` so far (None if unknown): a migration resumes after them."""
-        s = self._streams.get(request_id)
-        return None if s is None else list(s.delivered)
+    @staticmethod
+    def _deliver(s: _Stream, item: Any) -> None:
+        try:
+            s.loop.call_soon_threadsafe(s.queue.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is closed: nobody reads this stream
+            pass
 
-    async def next_all(self, owner: str, ack: int, timeout_s: float) -> tuple[dict[str, list[StreamEvent]], int]:
-        """Everything after sequence number `ack` on `owner`'s streams, waiting up to `timeout_s` for
-        something: ({request_id: events}, the last sequence number in it). Passing `ack` says every
-        event up to it was received: those are dropped, and finished streams with them."""
-        deadline = time.monotonic() + timeout_s
-        self._sweep()
-        async with self._cond:
-            while True:
-                out: dict[str, list[StreamEvent]] = {}
-                last = ack
-                for rid, s in list(self._streams.items()):
-                    if s.owner != owner:
-                        continue
-                    if s.queue and s.queue[0][0] <= ack:
-                        s.queue = [(q, ev) for q, ev in s.queue if q > ack]
-                    if not s.queue:
-                        if s.done:
-                            del self._streams[rid]
-                        continue
-                    out[rid] = [ev for _, ev in s.queue]
-                    last = max(last, s.queue[-1][0])
-                if out:
-                    return out, last
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return {}, ack
-                try:
-                    await asyncio.wait_for(self._cond.wait(), left)
-                except asyncio.TimeoutError:
-                    return {}, ack
+    # ------------------------------------------------------------------ the wire
+    def _listen(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # shut down
+            threading.Thread(target=self._serve, args=(conn,), name="stream-hub-conn", daemon=True).start()
 
-    async def close(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
-    async def num_streams(self) -> int:
-        """Streams held (a leak check: 0 once every request ended and its consumer caught up)."""
-        self._sweep()
-        return len(self._streams)
+    def _serve(self, conn: socket.socket) -> None:
+        """One connection: the handshake, then frames until it closes."""
+        with conn:
+            try:
+                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                nonce = os.urandom(32)
+                conn.sendall(nonce)
+                if not hmac.compare_digest(recv_exact(conn, 32), proof(self._key, nonce)):
+                    logger.warning("stream hub: a connection failed the handshake; closed")
+                    return
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while not self._closed:
+                    op, arg = recv_frame(conn)
+                    if op == "push":
+                        self.push(arg)
+                    elif op == "delivered":
+                        send_frame(conn, self.delivered(arg))
+            except (OSError, WireError, EOFError):
+                return
+            except Exception:  # noqa: BLE001 - a bad frame ends its connection, never the hub
+                logger.exception("stream hub: connection failed")

@@ -14,7 +14,8 @@ from engine.request import Request
 from engine.spec.controller import SpecController
 from engine.spec.proposer import make_proposer
 
-# Sequences that draft in a step taken only to teach the cost model (`SpecController.exploring`):
+# Sequences that draft in a step taken only to teach the cost model or refresh the acceptance estimates
+# (`SpecController.exploring`):
 # enough to make the step measurably bigger, few enough that a large batch barely notices.
 EXPLORE_SEQS = 8
 
@@ -49,6 +50,7 @@ class Speculator:
         self.proposer = proposer
         self.controller = SpecController(config.num_speculative_tokens, config.speculative_adaptive)
         self.stats = SpecStats(config.speculative_method)
+        self._explore_from = 0  # exploring steps take turns over the running sequences
 
     def propose(self, running: list[Request], max_model_len: int, prompts_waiting: bool = False) -> None:
         """Set `spec_token_ids` of every running request for the next step ([] where it gets none).
@@ -70,8 +72,10 @@ class Speculator:
         budget = self.controller.budget([r.request_id for r in eligible], explore=not prefilling)
         if budget <= 0:
             return
-        if self.controller.exploring:  # a few sequences' drafts suffice to show the cost model bigger steps
-            eligible = eligible[:EXPLORE_SEQS]
+        if self.controller.exploring and len(eligible) > EXPLORE_SEQS:  # a few sequences' drafts suffice
+            start = self._explore_from % len(eligible)
+            self._explore_from = start + EXPLORE_SEQS
+            eligible = (eligible[start:] + eligible[:start])[:EXPLORE_SEQS]
         for req in eligible:
             # k drafts emit up to k + 1 tokens.
             room = min(req.params.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens) - 1

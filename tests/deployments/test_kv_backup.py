@@ -18,6 +18,7 @@ import ray
 
 from deployments.config import ServeConfig
 from deployments.cluster.decode_worker import DecodeWorker
+from deployments.frontend.stream_hub import StreamHub
 from deployments.cluster.messages import Admission, BackupTo, FetchFrom, GenRequest
 from deployments.cluster.prefill_worker import PrefillWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -54,9 +55,11 @@ class FakeRouter:
         return self.calls.get(name, [])
 
 
-@ray.remote(num_cpus=0)
-class FakeHub:
+class FakeHub(StreamHub):
+    """Records every event the workers send it (over the wire, as they send to an ingress)."""
+
     def __init__(self):
+        super().__init__()
         self.events = []
 
     def push(self, events):
@@ -76,7 +79,7 @@ def workers():
     with local_ray(4, namespace="pdserve-backup-test"):
         cfg = ServeConfig.from_dict(dict(num_prefill_workers=1, num_decode_workers=1, kv_cache_memory_mb=64,
                                          block_size=BS))
-        router, hub = FakeRouter.remote(), FakeHub.remote()
+        router, hub = FakeRouter.remote(), FakeHub()
         prefill = PrefillWorker.options(num_cpus=1).remote("p0", cfg, router)
         decode = DecodeWorker.options(num_cpus=1).remote("d0", cfg, router)
         ray.get([prefill.info.remote(), decode.info.remote()], timeout=300)
@@ -109,24 +112,24 @@ def test_local_prefill_is_copied_to_the_prefill_cache(workers, first_block):
     if first_block:  # the prefill worker already has the prompt's first blocks (a shared prefix)
         head = f"head-{first_block}"
         ray.get(prefill.add.remote(GenRequest(head, prompt[:first_block * BS + 5], SamplingParams(max_tokens=2),
-                                              "hub", hub, arrival_time=time.time())), timeout=30)
+                                              "hub", hub.address, arrival_time=time.time())), timeout=30)
         handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == head])[0]
         assert ray.get(prefill.kv_release.remote(head, handle.epoch), timeout=30)
-    req = GenRequest(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), "hub", hub,
+    req = GenRequest(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), "hub", hub.address,
                      num_original_prompt_tokens=len(prompt), arrival_time=time.time())
     assert ray.get(decode.resume.remote(req, BackupTo("p0", prefill, first_block)), timeout=30) == Admission(True)
     got = _wait(lambda: [c for c in ray.get(router.get.remote("on_kv_backup")) if c[1] == rid])
     assert got == [("p0", rid, 5 * BS, (5 - first_block) * BS)]
-    toks = _wait(lambda: (t := ray.get(hub.tokens.remote(rid))[0]) and len(t) == 12 and t)
+    toks = _wait(lambda: (t := hub.tokens(rid)[0]) and len(t) == 12 and t)
     assert toks == want
 
     # What the router sends the prefill worker if d0 died after 6 tokens: the prompt plus those tokens.
     moved = f"moved-{first_block}"
     req2 = GenRequest(moved, prompt + want[:6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), "hub",
-                      hub, offset=6, num_original_prompt_tokens=len(prompt), arrival_time=time.time())
+                      hub.address, offset=6, num_original_prompt_tokens=len(prompt), arrival_time=time.time())
     ray.get(prefill.add.remote(req2), timeout=30)
     handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == moved])[0]
-    _, events = ray.get(hub.tokens.remote(moved))
+    _, events = hub.tokens(moved)
     assert events[0].token_ids == [want[6]]  # the copied KV gives the undisturbed run's next token
     assert events[0].num_cached_tokens == 5 * BS
     assert ray.get(prefill.kv_release.remote(moved, handle.epoch), timeout=30)
@@ -143,18 +146,18 @@ def test_moved_sequence_fetches_its_cached_prefix(workers, survivor):
     router, hub, prefill, _ = workers
     prompt = [300 + (11 * i) % 20000 for i in range(5 * BS + 3)]
     want = _greedy(prompt, 12)
-    ray.get(prefill.add.remote(GenRequest("orig", prompt, SamplingParams(max_tokens=2), "hub", hub,
+    ray.get(prefill.add.remote(GenRequest("orig", prompt, SamplingParams(max_tokens=2), "hub", hub.address,
                                           arrival_time=time.time())), timeout=30)
     handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == "orig"])[0]
     assert ray.get(prefill.kv_release.remote("orig", handle.epoch), timeout=30)  # now cached and free there
 
     moved = GenRequest("fetched", prompt + want[:6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
-                       "hub", hub, offset=6, num_original_prompt_tokens=len(prompt), arrival_time=time.time(),
+                       "hub", hub.address, offset=6, num_original_prompt_tokens=len(prompt), arrival_time=time.time(),
                        attempt=1)
     assert ray.get(survivor.resume.remote(moved, None, FetchFrom("p0", prefill, 5 * BS)), timeout=60) == Admission(True)
-    toks = _wait(lambda: (t := ray.get(hub.tokens.remote("fetched"))[0]) and len(t) == 6 and t)
+    toks = _wait(lambda: (t := hub.tokens("fetched")[0]) and len(t) == 6 and t)
     assert toks == want[6:]
-    _, events = ray.get(hub.tokens.remote("fetched"))
+    _, events = hub.tokens("fetched")
     assert events[0].num_cached_tokens == 5 * BS  # the prompt came over the wire, not recomputed
     stats = ray.get(survivor.kv_stats.remote(), timeout=30)
     assert stats["prefix_fetches"] == 1 and stats["prefix_fetch_tokens"] == 5 * BS
@@ -163,10 +166,10 @@ def test_moved_sequence_fetches_its_cached_prefix(workers, survivor):
     other = [900 + (13 * i) % 20000 for i in range(3 * BS + 1)]
     want2 = _greedy(other, 4)
     moved2 = GenRequest("not-cached", other, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "hub",
-                        hub, num_original_prompt_tokens=len(other), arrival_time=time.time(), attempt=1)
+                        hub.address, num_original_prompt_tokens=len(other), arrival_time=time.time(), attempt=1)
     fetch = FetchFrom("p0", prefill, 3 * BS)
     assert ray.get(survivor.resume.remote(moved2, None, fetch), timeout=60) == Admission(True)
-    assert _wait(lambda: (t := ray.get(hub.tokens.remote("not-cached"))[0]) and len(t) == 4 and t) == want2
+    assert _wait(lambda: (t := hub.tokens("not-cached")[0]) and len(t) == 4 and t) == want2
     assert ray.get(survivor.kv_stats.remote(), timeout=30)["prefix_fetches"] == 1
 
     for w in (prefill, survivor):  # the prefill worker's lease ended with the pull
@@ -179,13 +182,13 @@ def test_prefix_lease_does_not_wait_for_the_step_under_way(workers):
     after it: the lease is back before that prefill's first token."""
     router, hub, prefill, _ = workers
     prompt = [500 + (17 * i) % 20000 for i in range(3 * BS + 2)]
-    ray.get(prefill.add.remote(GenRequest("short", prompt, SamplingParams(max_tokens=2), "hub", hub,
+    ray.get(prefill.add.remote(GenRequest("short", prompt, SamplingParams(max_tokens=2), "hub", hub.address,
                                           arrival_time=time.time())), timeout=30)
     handle = _wait(lambda: [c[1] for c in ray.get(router.get.remote("on_prefilled")) if c[0] == "short"])[0]
     assert ray.get(prefill.kv_release.remote("short", handle.epoch), timeout=30)
 
     long_prompt = [700 + (19 * i) % 20000 for i in range(800)]  # one 800-token step: seconds on a CPU thread
-    ray.get(prefill.add.remote(GenRequest("long", long_prompt, SamplingParams(max_tokens=2), "hub", hub,
+    ray.get(prefill.add.remote(GenRequest("long", long_prompt, SamplingParams(max_tokens=2), "hub", hub.address,
                                           arrival_time=time.time())), timeout=30)
     time.sleep(0.3)  # its step is under way
     t0 = time.monotonic()

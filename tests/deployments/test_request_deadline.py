@@ -45,7 +45,7 @@ def cluster():
 
 
 def test_request_without_progress_ends_with_an_error(cluster):
-    router, hub = StuckRouter.remote(), StreamHub.remote()
+    router, hub = StuckRouter.remote(), StreamHub()
     backend = RouterBackend(router, hub, "hub-deadline", request_timeout_s=1.5)
 
     async def go():

@@ -1,65 +1,86 @@
-"""StreamHub: one poll for all of a consumer's streams, reads acknowledged (a lost poll loses nothing),
-consumers isolated, events put in offset order."""
+"""StreamHub and its wire: events put in offset order and deduplicated, from this process or over an
+authenticated socket; a connection without the key gets nothing and changes nothing; nothing stays."""
 
 from __future__ import annotations
 
-import time
+import asyncio
+import os
+import socket
+import threading
 
 import pytest
-import ray
 
 from deployments.cluster.messages import StreamEvent
-from deployments.frontend.stream_hub import StreamHub
+from deployments.frontend.hub_wire import HubAddress, HubClient, hub_client, send_frame
+from deployments.frontend.stream_hub import LOST, StreamHub
 
 
-@pytest.fixture(scope="module")
-def hub():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, namespace="pdserve-hub")
-    yield StreamHub.remote()
-    ray.shutdown()
+async def _take(q: asyncio.Queue, n_tokens: int, timeout_s: float = 10.0) -> list[StreamEvent]:
+    """Events from `q` until they hold `n_tokens` tokens or one is finished."""
+    out: list[StreamEvent] = []
+    while sum(len(e.token_ids) for e in out) < n_tokens and not (out and out[-1].finished):
+        out.extend(await asyncio.wait_for(q.get(), timeout_s))
+    return out
 
 
-def _ids(batch):
-    return {rid: [t for ev in evs for t in ev.token_ids] for rid, evs in batch.items()}
+def test_events_in_offset_order_once_each_over_the_wire():
+    hub = StreamHub(host="127.0.0.1")
+
+    async def main():
+        qa, qb = hub.open("a"), hub.open("b")
+        client = hub_client()
+        client.push(hub.address, [StreamEvent("a", 0, [1, 2]), StreamEvent("b", 0, [7])])
+        # Arrives early: waits for offset 2; a duplicate of what the client has is cut.
+        client.push(hub.address, [StreamEvent("a", 3, [4], finished=True, finish_reason="length")])
+        client.push(hub.address, [StreamEvent("a", 1, [2, 3])])
+        got = await _take(qa, 4)
+        assert [t for e in got for t in e.token_ids] == [1, 2, 3, 4] and got[-1].finished
+        assert [t for e in await _take(qb, 1) for t in e.token_ids] == [7]
+        # A finished stream leaves the hub at once; the live one stays until closed.
+        assert hub.delivered("a") is None and hub.num_streams() == 1
+        got = await asyncio.to_thread(HubClient.delivered, hub.address, "b", 5.0)
+        assert got == [7]
+        hub.push([StreamEvent("gone", 0, [5])])  # a stream the hub does not hold: dropped
+        hub.close("b")
+        hub.push([StreamEvent("b", 1, [8])])
+        assert hub.num_streams() == 0 and qb.empty()
+
+    asyncio.run(main())
+    hub.shutdown()
 
 
-def test_unacknowledged_events_are_served_again_and_consumers_are_isolated(hub):
-    ray.get([hub.open.remote("a", "c1"), hub.open.remote("b", "c1"), hub.open.remote("x", "c2")])
-    hub.push.remote([StreamEvent("a", 0, [1, 2]), StreamEvent("b", 0, [7]), StreamEvent("x", 0, [9])])
-    batch, last = ray.get(hub.next_all.remote("c1", 0, 5.0))
-    assert _ids(batch) == {"a": [1, 2], "b": [7]} and last > 0
-    # The caller of that poll "went away": the same ack gets the same events again.
-    again, last2 = ray.get(hub.next_all.remote("c1", 0, 5.0))
-    assert _ids(again) == _ids(batch) and last2 == last
-    # Acknowledged events are gone; an event that arrives early waits for the one it follows.
-    hub.push.remote([StreamEvent("a", 3, [4], finished=True, finish_reason="length")])
-    hub.push.remote([StreamEvent("a", 2, [3])])
-    batch, last3 = ray.get(hub.next_all.remote("c1", last, 5.0))
-    assert _ids(batch) == {"a": [3, 4]} and batch["a"][-1].finished
-    # Nothing new: the poll times out empty, and the finished, acknowledged stream is dropped.
-    assert ray.get(hub.next_all.remote("c1", last3, 0.2)) == ({}, last3)
-    assert ray.get(hub.delivered.remote("a")) is None
-    assert ray.get(hub.delivered.remote("b")) == [7]
-    # The other consumer's stream was never touched by c1's polls.
-    other, _ = ray.get(hub.next_all.remote("c2", 0, 5.0))
-    assert _ids(other) == {"x": [9]}
+def test_a_connection_without_the_key_is_refused():
+    hub = StreamHub(host="127.0.0.1")
+
+    async def main():
+        q = hub.open("r")
+        wrong = HubAddress(hub.address.host, hub.address.port, os.urandom(32))
+        with pytest.raises((ConnectionError, OSError)):
+            await asyncio.to_thread(HubClient.delivered, wrong, "r", 5.0)
+        # A raw client that skips the handshake and sends a frame: closed, nothing accepted.
+        with socket.create_connection((hub.address.host, hub.address.port), timeout=5) as s:
+            s.recv(32)
+            s.sendall(b"\0" * 32)
+            try:
+                send_frame(s, ("push", [StreamEvent("r", 0, [1])]))
+                assert s.recv(1) == b""  # the hub hung up
+            except OSError:
+                pass
+        HubClient().push(wrong, [StreamEvent("r", 0, [9])])
+        await asyncio.sleep(0.5)
+        assert q.empty() and hub.delivered("r") == []
+
+    asyncio.run(main())
+    hub.shutdown()
 
 
-def test_nothing_stays_behind():
-    """Closed streams ignore late pushes; a finished stream nobody acknowledges is dropped after
-    `done_ttl_s`; an unfinished one stays (it may be queued for long) until it is closed."""
-    hub = StreamHub.remote(done_ttl_s=0.3)
-    ray.get([hub.open.remote(rid, "c") for rid in ("done", "live", "closed")])
-    ray.get(hub.close.remote("closed"))
-    ray.get(hub.push.remote([StreamEvent("done", 0, [1], finished=True, finish_reason="length"),
-                             StreamEvent("live", 0, [2]), StreamEvent("closed", 0, [3])]))
-    assert ray.get(hub.num_streams.remote()) == 2
-    assert ray.get(hub.delivered.remote("closed")) is None
-    # The consumer never polls again (its client went away, its poller ended).
-    deadline = time.monotonic() + 10
-    while ray.get(hub.num_streams.remote()) != 1:
-        assert time.monotonic() < deadline, "the finished, unacknowledged stream was never dropped"
-        time.sleep(0.2)
-    assert ray.get(hub.delivered.remote("live")) == [2]
-    ray.get(hub.close.remote("live"))
-    assert ray.get(hub.num_streams.remote()) == 0
+def test_shutdown_ends_every_open_stream():
+    hub = StreamHub(host="127.0.0.1")
+
+    async def main():
+        q = hub.open("r")
+        threading.Timer(0.1, hub.shutdown).start()
+        assert await asyncio.wait_for(q.get(), 5) is LOST
+        assert hub.num_streams() == 0
+
+    asyncio.run(main())

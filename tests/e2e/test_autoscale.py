@@ -45,7 +45,7 @@ def test_placement_and_prefill_burst_scales_up_and_down(fake_cluster):
     assert [w["node_id"] for w in stats["prefill"].values()] == [prefill_node]
     assert [w["node_id"] for w in stats["decode"].values()] == [decode_node]
 
-    hub = StreamHub.remote()
+    hub = StreamHub()
     backend = RouterBackend(router, hub, "hub-burst", request_timeout_s=300)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [[100 + (i * 7 + j) % 4000 for j in range(300)] for i in range(16)]

@@ -23,7 +23,7 @@ def colocated():
     cfg = ServeConfig.from_dict(dict(num_prefill_workers=0, num_decode_workers=2, kv_cache_memory_mb=64,
                                      max_num_batched_tokens=128))
     with local_ray(4, namespace="pdserve-colocated"), pdserve_router(cfg, timeout_s=300) as router:
-        yield router, RouterBackend(router, StreamHub.remote(), "hub-colocated", request_timeout_s=120)
+        yield router, RouterBackend(router, StreamHub(), "hub-colocated", request_timeout_s=120)
 
 
 def test_config_rejects_a_scaling_prefill_pool_when_colocated():

@@ -29,7 +29,7 @@ def cluster():
     cfg = ServeConfig.from_dict(dict(num_prefill_workers=2, num_decode_workers=2, kv_cache_memory_mb=64,
                                      max_num_seqs=8, health_check_timeout_s=5.0))
     with local_ray(4, namespace="pdserve-tests"), pdserve_router(cfg) as router:
-        yield router, StreamHub.remote()
+        yield router, StreamHub()
 
 
 def _greedy(eng, max_tokens):

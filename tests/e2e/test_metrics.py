@@ -62,8 +62,7 @@ def cluster():
     with (local_ray(4, namespace="pdserve-tests", _metrics_export_port=port,
                     _system_config={"metrics_report_interval_ms": 1000}),
           pdserve_router(cfg) as router):
-        hub = StreamHub.remote()
-        ray.get(hub.num_streams.remote())  # started, so the actor's start-up is not in the first TTFTs
+        hub = StreamHub()
         yield router, hub, port
 
 

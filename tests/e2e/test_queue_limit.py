@@ -25,7 +25,7 @@ def tiny_router(tiny_model_dir):
 
 def test_queue_full_is_refused_at_once_and_leaks_nothing(tiny_router):
     router = tiny_router
-    backend = RouterBackend(router, StreamHub.remote(), "hub-q", request_timeout_s=60)
+    backend = RouterBackend(router, StreamHub(), "hub-q", request_timeout_s=60)
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
 
     async def one(i):

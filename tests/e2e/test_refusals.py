@@ -24,7 +24,7 @@ def cluster(tiny_model_dir):
     cfg = ServeConfig.from_dict(dict(model=tiny_model_dir("llama"), num_prefill_workers=1, num_decode_workers=1,
                                      kv_cache_memory_mb=16, health_check_timeout_s=5.0))
     with local_ray(2, namespace="pdserve-refusals"), pdserve_router(cfg, timeout_s=300) as router:
-        yield router, RouterBackend(router, StreamHub.remote(), "hub-refusals", request_timeout_s=120)
+        yield router, RouterBackend(router, StreamHub(), "hub-refusals", request_timeout_s=120)
 
 
 @ray.remote(max_concurrency=4)

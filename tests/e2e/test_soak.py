@@ -45,7 +45,7 @@ def server(tiny_model_dir):
         from engine.model_loader import load_tokenizer
 
         info = ray.get(router.wait_ready.remote(60.0), timeout=90)
-        hub = StreamHub.remote()
+        hub = StreamHub()
         backend = RouterBackend(router, hub, "hub-soak", request_timeout_s=60)
         app = build_openai_app(backend, load_tokenizer(cfg.engine.model, "float32", None), MODEL,
                                info.max_model_len, vocab_size=info.vocab_size)
@@ -135,11 +135,8 @@ async def _soak(url: str, vocab: int) -> collections.Counter:
 
 
 def _hub_streams(hub) -> dict:
-    """What the hub still holds, for the failure message: request id -> (done, tokens, queued, idle s)."""
-    now = time.monotonic()
-    return ray.get(hub.__ray_call__.remote(lambda h: {
-        rid: (s.done, len(s.delivered), len(s.queue), round(now - s.touched, 1)) for rid, s in h._streams.items()}),
-        timeout=30)
+    """What the hub still holds, for the failure message: request id -> (tokens, queued)."""
+    return {rid: (len(s.delivered), s.queue.qsize()) for rid, s in list(hub._streams.items())}
 
 
 def _router_entries(router) -> dict:
@@ -161,10 +158,10 @@ def test_soak_leaves_nothing_behind(server):
     entries = wait_for(lambda: _router_entries(router), lambda e: not any(e.values()), timeout_s=60,
                        what="router entries gone")
     try:
-        streams = wait_for(lambda: ray.get(hub.num_streams.remote(), timeout=30), lambda n: n == 0, timeout_s=60,
+        streams = wait_for(lambda: hub.num_streams(), lambda n: n == 0, timeout_s=60,
                            what="hub streams gone")
     except AssertionError as e:
-        raise AssertionError(f"{e}; left (done, tokens, queued, idle s): {_hub_streams(hub)}") from None
+        raise AssertionError(f"{e}; left (tokens, queued): {_hub_streams(hub)}") from None
     assert not backend._queues, list(backend._queues)
     marks = {w: ray.get(a.num_abort_marks.remote(), timeout=30) for w, a in workers.items() if "decode" in w}
     channels = {w: ray.get(a.kv_channels.remote(), timeout=30) for w, a in workers.items()}

@@ -1,5 +1,5 @@
 """Speculative decoding through the server (issue 26): greedy streams equal transformers' generate with
-speculation on, off, and opted out per request, disaggregated (ngram) and colocated (suffix); sampled
+speculation on, off, and opted out per request (HTTP and gRPC), disaggregated (ngram) and colocated (suffix); sampled
 streams with a seed complete; a speculating sequence moved off a killed decode worker resumes with the
 same output; /health, Prometheus and `pdserve bench` report the acceptance of a copying workload."""
 
@@ -12,15 +12,17 @@ import time
 import uuid
 from collections import defaultdict
 
+import grpc
 import httpx
 import pytest
 import ray
 import torch
 from ray import serve
 
-from deployments.app import NAMESPACE, ROUTER_NAME, build_app
+from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app
 from deployments.bench_cli import BenchConfig, run_benchmark
 from deployments.config import ServeConfig
+from deployments.frontend.grpc import pdserve_pb2, pdserve_pb2_grpc
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -28,6 +30,7 @@ from helpers import free_port, local_ray, local_serve, pdserve_router, wait_for,
 
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "spec-test-key"
+GRPC_METADATA = (("application", "pdserve-grpc"), ("authorization", f"Bearer {API_KEY}"))
 MAX_TOKENS = 40
 MOVE_MAX_TOKENS = 120
 # Copying prompts: the answer repeats text the prompt holds, where prompt lookup and suffix decoding guess.
@@ -108,20 +111,22 @@ def _scrape(port: int) -> dict[str, float]:
 def server():
     """1 prefill + 2 decode workers, ngram drafts on every decode step (adaptive off: a fixed draft
     length, so the acceptance checks do not depend on how loaded the machine is)."""
-    mport = free_port()
-    with local_serve(4, _metrics_export_port=mport, _system_config={"metrics_report_interval_ms": 1000}) as port:
+    mport, gport = free_port(), free_port()
+    with local_serve(4, grpc_port=gport, _metrics_export_port=mport,
+                     _system_config={"metrics_report_interval_ms": 1000}) as port:
         args = {"num_prefill_workers": 1, "num_decode_workers": 2, "kv_cache_memory_mb": 64, "max_num_seqs": 8,
                 "speculative_method": "ngram", "speculative_adaptive": False, "api_key": API_KEY,
                 "health_check_timeout_s": 5.0}
         serve.run(build_app(args), name="pdserve", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", ray.get_actor(ROUTER_NAME, namespace=NAMESPACE), mport
+        serve.run(build_grpc_app(args), name="pdserve-grpc", route_prefix="/pdserve-grpc")
+        yield f"http://127.0.0.1:{port}", ray.get_actor(ROUTER_NAME, namespace=NAMESPACE), mport, gport
 
 
 class TestDisaggregated:
     """Greedy, sampled, opted-out and moved streams, and the reports, with a prefill pool."""
 
     def test_greedy_streams_equal_transformers_on_and_opted_out(self, server, reference):
-        url, router, _ = server
+        url, router, *_ = server
         prompts, want, tok = reference
         wants = [tok.decode(w, skip_special_tokens=True) for w in want]
 
@@ -148,8 +153,35 @@ class TestDisaggregated:
         assert r.status_code == 400 and r.json()["error"]["param"] == "speculative", r.text
         wait_no_leaks(router, timeout_s=30)
 
+    def test_grpc_speculative_field(self, server, reference):
+        """gRPC's `speculative`: false never drafts, unset and true draft as the server does; the same
+        greedy tokens either way, equal to transformers."""
+        url, router, _, gport = server
+        prompts, want, tok = reference
+        with grpc.insecure_channel(f"127.0.0.1:{gport}") as channel:
+            stub = pdserve_pb2_grpc.GenerationStub(channel)
+
+            def one(**speculative) -> tuple[str, list[int]]:
+                req = pdserve_pb2.GenerateRequest(prompt_token_ids=prompts[1], max_tokens=MAX_TOKENS, temperature=0,
+                                                  **speculative)
+                chunks = list(stub.Generate(req, metadata=GRPC_METADATA, timeout=300))
+                assert chunks[-1].finish_reason in ("stop", "length"), chunks[-1]
+                return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+
+            wait_for(lambda: _health_spec(url), lambda s: bool(s), timeout_s=30, what="decode workers in /health")
+            before = _drafted(url)
+            off = one(speculative=False)
+            time.sleep(0.5)  # the last step's report reaches the router
+            assert _drafted(url) == before, "a request with speculative=false carried drafts"
+            assert off[0] == tok.decode(want[1], skip_special_tokens=True)
+            for on in ({}, {"speculative": True}):
+                before = _drafted(url)
+                assert one(**on) == off
+                wait_for(lambda: _drafted(url), lambda d: d > before, timeout_s=10, what=f"drafts with {on}")
+        wait_no_leaks(router, timeout_s=30)
+
     def test_sampled_streams_with_a_seed_complete(self, server, reference):
-        url, router, _ = server
+        url, router, *_ = server
         prompts, _, _ = reference
 
         def one(i):
@@ -162,7 +194,7 @@ class TestDisaggregated:
         wait_no_leaks(router, timeout_s=30)
 
     def test_metrics_and_bench_report_acceptance(self, server, reference, tmp_path):
-        url, _, mport = server
+        url, _, mport, _ = server
         prompts, _, _ = reference
         data = tmp_path / "copy.jsonl"
         data.write_text("".join(json.dumps({"prompt": p, "max_tokens": MAX_TOKENS}) + "\n" for p in prompts))
@@ -179,11 +211,11 @@ class TestDisaggregated:
         assert m["pdserve_spec_acceptance_rate"] > 0 and m["pdserve_spec_mean_accepted_length"] > 1.0, m
 
     def test_moved_speculating_sequence_resumes_identically(self, server, model):
-        url, router, _ = server
+        url, router, *_ = server
         # Twice the text, so the streams outlast the kill by many steps even when most drafts hold.
         prompts = [_chat_ids(model.tokenizer, f"{t}\n{t}") for t in TEXTS]
         want = [_hf_greedy(model, ids, MOVE_MAX_TOKENS) for ids in prompts]
-        backend = RouterBackend(router, StreamHub.remote(), "hub-spec", request_timeout_s=120)
+        backend = RouterBackend(router, StreamHub(), "hub-spec", request_timeout_s=120)
         params = SamplingParams(max_tokens=MOVE_MAX_TOKENS, temperature=0)
         progress = [0] * len(prompts)
         moved_before = ray.get(router.stats.remote())["counters"]["migrations"]
@@ -224,7 +256,7 @@ class TestColocated:
 
     def test_greedy_streams_equal_transformers_and_report_speculation(self, router, reference):
         prompts, want, _ = reference
-        backend = RouterBackend(router, StreamHub.remote(), "hub-spec-colocated", request_timeout_s=120)
+        backend = RouterBackend(router, StreamHub(), "hub-spec-colocated", request_timeout_s=120)
 
         async def one(i, speculative=True):
             await asyncio.sleep(0.05 * i)  # arrivals spread over steps: later ones join running batches

@@ -14,6 +14,9 @@ from device_params import DEVICES, skip_without_default_model
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineConfigError, InvalidRequestError
 from engine.request import RequestOutput
+from engine.spec import SpecController
+from engine.spec.controller import PROBE_EVERY
+from engine.spec.speculator import EXPLORE_SEQS
 from test_correctness import hf_greedy, make_prompts, run_staggered, tiny_engine
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -357,6 +360,67 @@ def test_speculation_settings_are_checked():
         EngineConfig(speculative_method="eagle")
     with pytest.raises(EngineConfigError, match="num_speculative_tokens"):
         EngineConfig(num_speculative_tokens=0)
+
+
+def test_controller_estimates_recover_and_probes_refresh_them():
+    """A sequence whose first guesses all failed drafts again after a few steps (its estimate ages back
+    to the engine's average instead of shutting it out for good), and a worker whose model says drafts
+    do not pay lets a few sequences draft one token every PROBE_EVERY steps, taking turns."""
+    cheap = SpecController(max_drafts=4)
+    for n in range(1, 40):  # SmolLM2 on one CPU thread: 57 ms + 2 ms per token
+        cheap.record_step(n, 0.057 + 0.002 * n)
+    for _ in range(20):
+        cheap.record_verify("copier", 4, 4)
+    assert cheap.budget(["opening"]) > 0
+    for _ in range(6):  # an opening sentence: nothing held
+        cheap.record_verify("opening", 2, 0)
+    assert cheap.acceptance("opening") < 0.1 and cheap.budget(["opening"]) == 0
+    steps_off = 1
+    while cheap.budget(["opening"]) == 0:
+        steps_off += 1
+        assert steps_off < 12, "the sequence never drafted again"
+    assert cheap.acceptance("opening") > 0.1
+
+    costly = SpecController(max_drafts=4)
+    for n in range(64, 640, 16):  # compute-bound steps: 5 ms + 2 ms per token
+        costly.record_step(n, 0.005 + 0.002 * n)
+    batch = [f"b{i}" for i in range(64)]
+    budgets = [costly.budget(batch) for _ in range(2 * PROBE_EVERY)]
+    assert budgets.count(1) == 2 and set(budgets) == {0, 1}
+    assert budgets[PROBE_EVERY - 1] == 1 and costly.exploring
+    assert costly.budget(batch) == 0 and not costly.exploring
+
+
+class AskedProposer:
+    """Guesses nothing; records which sequences it was asked about."""
+
+    def __init__(self):
+        self.asked: list[str] = []
+
+    def propose(self, seq_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+        self.asked.append(seq_id)
+        return []
+
+    def finish(self, seq_id: str, token_ids: list[int]) -> None:
+        pass
+
+
+def test_exploring_steps_take_turns_over_the_batch(tiny_model_dir):
+    eng = tiny_engine(tiny_model_dir("llama"), "cpu", num_kv_blocks=256, block_size=4, speculative_method="ngram",
+                      max_num_seqs=32)
+    spec = eng.speculator
+    spec.proposer = AskedProposer()
+    n = 3 * EXPLORE_SEQS
+    for i in range(n):
+        eng.add_request(f"r{i}", [5 + i, 6, 7, 8], SamplingParams(max_tokens=40, **GREEDY))
+    while len(eng.scheduler.running) < n or any(r.num_tokens - r.num_computed_tokens > 1 for r in eng.scheduler.running):
+        eng.step()
+    spec.controller.budget = lambda ids, explore=True: setattr(spec.controller, "exploring", True) or 1
+    spec.proposer.asked.clear()
+    for _ in range(3):
+        spec.propose(eng.scheduler.running, eng.max_model_len)
+    asked = spec.proposer.asked
+    assert len(asked) == n and len(set(asked)) == n  # three exploring steps, eight different sequences each
 
 
 def test_smollm2_copying_accepts_most_drafts_and_matches_hf():

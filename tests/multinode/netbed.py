@@ -91,8 +91,8 @@ def pids_titled(bed: Any, host: str, prefix: str) -> list[int]:
 
 def start_pdserve(config: Any, timeout_s: float = 600.0) -> tuple[Any, Any]:
     """pdserve's router where `config.router_resources` place it (as the ingress creates it), once its
-    first workers are ready (each host resolves and loads the model itself), and a StreamHub on the
-    driver's own node, which no test kills: (router, hub) for `stream_all`."""
+    first workers are ready (each host resolves and loads the model itself), and a StreamHub in this
+    (the driver's) process, on its node's address, which no test kills: (router, hub) for `stream_all`."""
     import ray
 
     from deployments.app import get_or_create_router
@@ -100,7 +100,7 @@ def start_pdserve(config: Any, timeout_s: float = 600.0) -> tuple[Any, Any]:
 
     router = get_or_create_router(config)
     ray.get(router.wait_ready.remote(timeout_s), timeout=timeout_s + 100)
-    return router, StreamHub.options(scheduling_strategy=on_this_node()).remote()
+    return router, StreamHub()
 
 
 def deploy_http(bed: Any, config: Any) -> str:
