@@ -121,7 +121,7 @@ def run_method(method: str, work: Workloads, args: argparse.Namespace) -> list[d
             t0 = time.perf_counter()
             res = run_benchmark(work.config(url, workload, c, cell, requests))
             m, spec = res["metrics"], res["server_speculation"]
-            row = {"method": method, "workload": workload, "concurrency": c, "completed": m["completed"],
+            row = {"method": method, "cell": cell, "workload": workload, "concurrency": c, "completed": m["completed"],
                    "failed": m["failed"], "output_tokens": m["total_output_tokens"],
                    "output_tok_s": m["output_throughput"], "tpot_p50_ms": m["tpot_ms"]["p50"],
                    "tpot_p99_ms": m["tpot_ms"]["p99"], "acceptance_rate": spec and spec["acceptance_rate"],
@@ -135,9 +135,9 @@ def run_method(method: str, work: Workloads, args: argparse.Namespace) -> list[d
 
 def report(rows: list[dict], args: argparse.Namespace) -> list[str]:
     """Print one table per workload; returns the targets' verdicts."""
-    off = {(r["workload"], r["concurrency"]): r for r in rows if r["method"] == "off"}
+    off = {r["cell"]: r for r in rows if r["method"] == "off"}  # a repeated cell compares with its own run
     for r in rows:
-        base = off.get((r["workload"], r["concurrency"]))
+        base = off.get(r["cell"])
         r["ratio_vs_off"] = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else None
     for workload in dict.fromkeys(w for w, _, _ in args.cells):
         table = [[r["concurrency"], r["method"], fmt(r["output_tok_s"]), fmt(r["ratio_vs_off"], 2),

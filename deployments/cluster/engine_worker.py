@@ -44,6 +44,20 @@ def engine_arrival(req: GenRequest) -> float | None:
     return time.monotonic() - max(0.0, time.time() - req.arrival_time)
 
 
+def _unnice(worker_id: str) -> None:
+    """Run the engine at nice 0. Ray starts actors at nice 15 (below its own daemons and any client on
+    the node) unless `RAY_worker_niceness=0` was set where Ray started (`pdserve serve` sets it;
+    cluster.yaml too); this covers other clusters where the process may (root, CAP_SYS_NICE)."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except OSError:
+        logger.warning("%s: the engine runs at nice %d (Ray's worker_niceness): other processes on this "
+                       "node take the CPU first; start Ray with RAY_worker_niceness=0", worker_id, nice)
+
+
 class AbortMarks:
     """Attempts of requests aborted before they reached this worker's engine (`DecodeWorker.abort`
     while its `admit` or `resume` is in flight): the call drops its request when it gets that far.
@@ -76,6 +90,7 @@ class EngineWorker:
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         torch.set_num_threads(config.engine.num_threads)
+        _unnice(worker_id)
         self.worker_id = worker_id
         self.config = config
         self.router = router

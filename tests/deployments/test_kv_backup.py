@@ -202,3 +202,26 @@ def test_prefix_lease_does_not_wait_for_the_step_under_way(workers):
     assert ray.get(prefill.kv_release.remote("long", handle.epoch), timeout=30)
     use = _wait(lambda: (u := ray.get(prefill.check_integrity.remote(), timeout=30))["num_used_blocks"] == 0 and u)
     assert use["num_requests"] == 0
+
+
+def test_decode_reports_follow_changes_not_steps(workers):
+    """A decode worker reports to the router when a request joins, starts or finishes, and otherwise
+    at most every REPORT_EVERY_S: far fewer reports than steps, and the finish reported at once."""
+    from deployments.cluster.decode_worker import REPORT_EVERY_S
+
+    router, hub, _, decode = workers
+    before = len(ray.get(router.get.remote("report_decode")))
+    steps0 = ray.get(decode.check_integrity.remote(), timeout=30)["num_steps"]
+    req = GenRequest("reports", list(range(300, 340)), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
+                     "hub", hub.address, num_original_prompt_tokens=40, arrival_time=time.time())
+    t0 = time.monotonic()
+    assert ray.get(decode.resume.remote(req), timeout=30) == Admission(True)
+    _wait(lambda: (t := hub.tokens("reports")[0]) and len(t) == 60)
+    elapsed = time.monotonic() - t0
+    reports = _wait(lambda: [r for r in ray.get(router.get.remote("report_decode"))[before:] if "reports" in r[0]]
+                    and ray.get(router.get.remote("report_decode"))[before:])
+    steps = ray.get(decode.check_integrity.remote(), timeout=30)["num_steps"] - steps0
+    assert steps >= 60
+    # Joining, starting to decode and finishing are news; the rest is one report per interval.
+    assert len(reports) <= 4 + elapsed / REPORT_EVERY_S < steps, (len(reports), steps, elapsed)
+    assert [r for r in reports if "reports" in r[0]] == [(["reports"],)]
