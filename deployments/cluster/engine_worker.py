@@ -44,8 +44,8 @@ def engine_arrival(req: GenRequest) -> float | None:
     return time.monotonic() - max(0.0, time.time() - req.arrival_time)
 
 
-def _unnice(worker_id: str) -> None:
-    """Run the engine at nice 0. Ray starts actors at nice 15 (below its own daemons and any client on
+def unnice(worker_id: str) -> None:
+    """Run this actor (an engine worker, the router) at nice 0. Ray starts actors at nice 15 (below its own daemons and any client on
     the node) unless `RAY_worker_niceness=0` was set where Ray started (`pdserve serve` sets it;
     cluster.yaml too); this covers other clusters where the process may (root, CAP_SYS_NICE)."""
     nice = os.getpriority(os.PRIO_PROCESS, 0)
@@ -90,7 +90,7 @@ class EngineWorker:
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         torch.set_num_threads(config.engine.num_threads)
-        _unnice(worker_id)
+        unnice(worker_id)
         self.worker_id = worker_id
         self.config = config
         self.router = router
