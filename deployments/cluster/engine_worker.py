@@ -44,18 +44,15 @@ def engine_arrival(req: GenRequest) -> float | None:
     return time.monotonic() - max(0.0, time.time() - req.arrival_time)
 
 
-def unnice(worker_id: str) -> None:
-    """Run this actor (an engine worker, the router) at nice 0. Ray starts actors at nice 15 (below its own daemons and any client on
-    the node) unless `RAY_worker_niceness=0` was set where Ray started (`pdserve serve` sets it;
-    cluster.yaml too); this covers other clusters where the process may (root, CAP_SYS_NICE)."""
+def warn_if_niced(worker_id: str) -> None:
+    """Ray starts actors at nice 15 (below its own daemons and any client on the node) unless
+    `RAY_worker_niceness=0` was set where Ray started (`pdserve serve` sets it; cluster.yaml too).
+    NOTE: the engine does not renice itself: an engine above the router starved the router's restart
+    (tests/e2e/test_faults.py); all of pdserve's actors share one niceness, set where Ray starts."""
     nice = os.getpriority(os.PRIO_PROCESS, 0)
-    if nice <= 0:
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except OSError:
-        logger.warning("%s: the engine runs at nice %d (Ray's worker_niceness): other processes on this "
-                       "node take the CPU first; start Ray with RAY_worker_niceness=0", worker_id, nice)
+    if nice > 0:
+        logger.info("%s: running at nice %d (Ray's worker_niceness; RAY_worker_niceness=0 where Ray starts "
+                    "puts the engine level with the other processes on this node)", worker_id, nice)
 
 
 class AbortMarks:
@@ -90,7 +87,7 @@ class EngineWorker:
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         torch.set_num_threads(config.engine.num_threads)
-        unnice(worker_id)
+        warn_if_niced(worker_id)
         self.worker_id = worker_id
         self.config = config
         self.router = router

@@ -60,9 +60,6 @@ class Router(RouterCalls):
     tools call `workers`, `check_integrity`, `shutdown`."""
 
     def __init__(self, config: ServeConfig):
-        from deployments.cluster.engine_worker import unnice
-
-        unnice("router")  # as the engines: a router below them restarts slowly under load
         self.config = config
         ctx = ray.get_runtime_context()
         self.me, self.namespace = ctx.current_actor, ctx.namespace
