@@ -115,14 +115,6 @@ def deploy_http(bed: Any, config: Any) -> str:
     return f"http://{bed.hosts['head'].ip}:8000/v1"
 
 
-def on_this_node() -> Any:
-    """A scheduling strategy that keeps an actor on the driver's own node (the root namespace)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-
-
 def on_host(bed: Any, host: str) -> Any:
     """A scheduling strategy that runs a task or actor on bed host `host`, whatever its resources."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
