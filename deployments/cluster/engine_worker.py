@@ -26,7 +26,7 @@ from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
 from deployments.config import ServeConfig
 from deployments.frontend.hub_wire import HubAddress, hub_client
-from engine import LLMEngine, RequestOutput
+from engine import LLMEngine, RequestOutput, thread_team
 from engine.device_health import is_device_fatal
 from kv_transfer import KVHandle, KVTransferError
 
@@ -110,6 +110,10 @@ class EngineWorker:
         self.requests: dict[str, GenRequest] = {}
         self.num_steps = 0
         self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-loop", daemon=True)
+        # The loop thread alone opens OpenMP teams (engine/thread_team.py): a second team, e.g. this
+        # thread's from loading the model or a pool thread's from a KV copy, slowed every step 30%.
+        self._num_threads = torch.get_num_threads()
+        self._own_threads = thread_team.confine(self.engine.config.device)
 
     def _start(self) -> None:
         """Subclasses call this last in __init__, once everything the loop touches exists."""
@@ -228,6 +232,8 @@ class EngineWorker:
         return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs)
 
     def _loop(self) -> None:
+        if self._own_threads:
+            thread_team.own(self._num_threads)
         while self._alive:
             with self.lock:
                 busy = self.engine.has_unfinished_requests()

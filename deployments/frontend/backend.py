@@ -23,7 +23,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
-from engine import InvalidRequestError, LLMEngine, SamplingParams
+import torch
+
+from engine import InvalidRequestError, LLMEngine, SamplingParams, thread_team
 
 if TYPE_CHECKING:
     from engine.request import TokenLogprob
@@ -139,6 +141,10 @@ class LocalEngineBackend:
         self._closed = False
         self.num_steps = 0
         self.last_error: str | None = None
+        # Only the engine thread opens OpenMP teams (engine/thread_team.py); `shutdown` gives the
+        # process its thread count back.
+        self._num_threads = torch.get_num_threads()
+        self._own_threads = thread_team.confine(engine.config.device)
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -218,6 +224,9 @@ class LocalEngineBackend:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout_s)
+        if self._own_threads:
+            self._own_threads = False
+            torch.set_num_threads(self._num_threads)
 
     def _abort_nowait(self, request_id: str) -> None:
         # Synchronous on purpose: callable from a cancelled task's `finally` without awaiting.
@@ -229,6 +238,8 @@ class LocalEngineBackend:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        if self._own_threads:
+            thread_team.own(self._num_threads)
         eng = self.engine
         while True:
             with self._cv:
