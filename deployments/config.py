@@ -38,9 +38,9 @@ DEFAULT_ENGINE = EngineConfig(num_threads=1)
 # the engine's threads.
 # NOTE: Ray starts its worker processes (every actor: the engine workers too) at nice 15, below its
 # own daemons (GCS, raylet, dashboard agent, log monitor), the driver and any client on the node,
-# which all run at nice 0. On a CPU node the engine's threads then yield to all of them: measured on
-# 2 cores, a served decode step at batch 1 took 54 ms where the engine alone takes 35 ms. At nice 0
-# the engine shares the cores on equal terms, as any other server process does.
+# which all run at nice 0: on a CPU node the engine's threads then yield to all of them. At nice 0
+# the engine shares the cores on equal terms, as any other server process does. (The served step's
+# gap to the engine alone, 54 against 35 ms at batch 1 then, was mostly OpenMP: engine/thread_team.py.)
 RAY_ENV_DEFAULTS = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "1.0", "RAY_worker_niceness": "0"}
 
 

@@ -11,19 +11,22 @@ thread had opened a two-thread region: the thread that loaded the model, or a Ra
 copying KV blocks. That was most of the gap between the engine alone and the served engine.
 
 So a process that steps an engine on a thread of its own:
-  * `confine()` on the thread that built the engine: torch's process-wide thread count drops to 1,
-    so every other thread (Ray's pool threads, KV copies, the thread that built the engine) runs its
+  * `confine(device, num_threads)` on the thread that built the engine: torch's process-wide thread
+    count drops to 1, so every other thread (Ray's pool threads, KV copies, the thread that built the engine) runs its
     torch ops on itself and opens no team; and the calling thread's own workers are let go;
-  * `own(n)` first thing on the stepping thread: that thread's teams have `n` threads.
+  * `Team.own()` (the `Team` confine returns) first thing on the stepping thread: that thread's
+    teams have the engine's thread count.
 GNU OpenMP keeps the thread count per thread, which is what makes this possible. Where torch runs on
-another OpenMP runtime (or on a GPU) both do nothing and the process keeps one shared thread count.
+another OpenMP runtime (or on a GPU) `confine` changes nothing and returns None: the process keeps
+one shared thread count.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
-import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,9 +34,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: free the calling thread's pool, keep the runtime
-_lock = threading.Lock()
-_gomp: ctypes.CDLL | None = None
-_looked = False
 
 
 def _loaded_gomp() -> Path | None:
@@ -49,41 +49,48 @@ def _loaded_gomp() -> Path | None:
     return None
 
 
+@functools.cache
 def gomp() -> ctypes.CDLL | None:
     """Handle on the GNU OpenMP runtime torch runs on, or None (another runtime, or no OpenMP)."""
-    global _gomp, _looked
-    with _lock:
-        if not _looked:
-            _looked = True
-            if "OpenMP" in torch.__config__.parallel_info() and (path := _loaded_gomp()) is not None:
-                try:
-                    lib = ctypes.CDLL(str(path))
-                    lib.omp_set_num_threads.argtypes = [ctypes.c_int]
-                    lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-                    lib.omp_pause_resource_all.restype = ctypes.c_int
-                    _gomp = lib
-                except (OSError, AttributeError) as exc:
-                    logger.info("thread team: %s has no usable OpenMP API (%s)", path, exc)
-        return _gomp
+    if "OpenMP" not in torch.__config__.parallel_info() or (path := _loaded_gomp()) is None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+        lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+        lib.omp_pause_resource_all.restype = ctypes.c_int
+        return lib
+    except (OSError, AttributeError) as exc:
+        logger.info("thread team: %s has no usable OpenMP API (%s)", path, exc)
+        return None
 
 
-def confine(device: str | torch.device = "cpu") -> bool:
-    """Called by the thread that built a CPU engine another thread will step: other threads run torch
-    ops on one thread from now on, and this thread's OpenMP workers exit. Returns whether it did (the
-    stepping thread must then call `own`); False off the CPU or without GNU OpenMP."""
+@dataclass(frozen=True, slots=True)
+class Team:
+    """What `confine` took from the process: `own` on the stepping thread, `give_back` when the
+    engine is done with the process (an in-process backend that shuts down)."""
+    num_threads: int  # the stepping thread's
+    process_threads: int  # torch's process-wide count before `confine`
+
+    def own(self) -> None:
+        """First thing on the thread that steps the engine: its parallel regions use `num_threads`
+        threads; every other thread keeps torch's process-wide count (1)."""
+        torch.get_num_threads()  # torch sets each thread's count from its process-wide one on first use
+        gomp().omp_set_num_threads(self.num_threads)
+
+    def give_back(self) -> None:
+        torch.set_num_threads(self.process_threads)
+
+
+def confine(device: str | torch.device, num_threads: int | None) -> Team | None:
+    """Called by the thread that built a CPU engine another thread will step (`num_threads`: the
+    engine's setting; None, torch's count now): other threads run torch ops on one thread from now
+    on, and this thread's OpenMP workers exit. None off the CPU or without GNU OpenMP: then nothing
+    changed and there is nothing to own."""
     lib = gomp()
     if lib is None or torch.device(device).type != "cpu":
-        return False
+        return None
+    process_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     lib.omp_pause_resource_all(_OMP_PAUSE_SOFT)
-    return True
-
-
-def own(num_threads: int) -> None:
-    """First thing on the thread that steps the engine (after `confine` returned True): its parallel
-    regions use `num_threads` threads; every other thread keeps torch's process-wide count."""
-    lib = gomp()
-    if lib is None:
-        return
-    torch.get_num_threads()  # torch sets each thread's count from its process-wide one on first use
-    lib.omp_set_num_threads(max(1, int(num_threads)))
+    return Team(max(1, int(num_threads or process_threads)), process_threads)

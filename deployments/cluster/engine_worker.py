@@ -112,8 +112,7 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-loop", daemon=True)
         # The loop thread alone opens OpenMP teams (engine/thread_team.py): a second team, e.g. this
         # thread's from loading the model or a pool thread's from a KV copy, slowed every step 30%.
-        self._num_threads = torch.get_num_threads()
-        self._own_threads = thread_team.confine(self.engine.config.device)
+        self._team = thread_team.confine(self.engine.config.device, config.engine.num_threads)
 
     def _start(self) -> None:
         """Subclasses call this last in __init__, once everything the loop touches exists."""
@@ -232,8 +231,8 @@ class EngineWorker:
         return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs)
 
     def _loop(self) -> None:
-        if self._own_threads:
-            thread_team.own(self._num_threads)
+        if self._team:
+            self._team.own()
         while self._alive:
             with self.lock:
                 busy = self.engine.has_unfinished_requests()

@@ -23,8 +23,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
-import torch
-
 from engine import InvalidRequestError, LLMEngine, SamplingParams, thread_team
 
 if TYPE_CHECKING:
@@ -143,8 +141,7 @@ class LocalEngineBackend:
         self.last_error: str | None = None
         # Only the engine thread opens OpenMP teams (engine/thread_team.py); `shutdown` gives the
         # process its thread count back.
-        self._num_threads = torch.get_num_threads()
-        self._own_threads = thread_team.confine(engine.config.device)
+        self._team = thread_team.confine(engine.config.device, engine.config.num_threads)
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -224,9 +221,9 @@ class LocalEngineBackend:
             self._closed = True
             self._cv.notify()
         self._thread.join(timeout_s)
-        if self._own_threads:
-            self._own_threads = False
-            torch.set_num_threads(self._num_threads)
+        if self._team:
+            self._team.give_back()
+            self._team = None
 
     def _abort_nowait(self, request_id: str) -> None:
         # Synchronous on purpose: callable from a cancelled task's `finally` without awaiting.
@@ -238,8 +235,8 @@ class LocalEngineBackend:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        if self._own_threads:
-            thread_team.own(self._num_threads)
+        if self._team:
+            self._team.own()
         eng = self.engine
         while True:
             with self._cv:

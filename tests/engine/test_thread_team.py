@@ -40,7 +40,8 @@ def test_one_team_per_process():
         base = n_threads()
         (a @ a).sum()                      # the main thread opens a team: one worker thread more
         with_team = n_threads()
-        assert thread_team.confine("cpu")
+        team = thread_team.confine("cpu", 2)
+        assert team is not None
         for _ in range(100):               # its worker exits
             if n_threads() < with_team:
                 break
@@ -49,7 +50,7 @@ def test_one_team_per_process():
         counts = {}
         ready, done = threading.Event(), threading.Event()
         def owner():
-            thread_team.own(2)
+            team.own()
             counts["owner"] = torch.get_num_threads()
             (a @ a).sum()
             ready.set()
@@ -80,10 +81,11 @@ def test_one_team_per_process():
 
 
 def test_not_confined_off_cpu_or_without_gomp(monkeypatch):
-    monkeypatch.setattr(thread_team, "gomp", lambda: None)
     n = torch.get_num_threads()
-    assert thread_team.confine("cpu") is False
-    thread_team.own(4)  # does nothing
+    assert thread_team.confine("meta", 4) is None  # not a CPU engine
+    assert torch.get_num_threads() == n
+    monkeypatch.setattr(thread_team, "gomp", lambda: None)
+    assert thread_team.confine("cpu", 4) is None
     assert torch.get_num_threads() == n
 
 
@@ -93,16 +95,18 @@ def test_owned_thread_gives_the_same_greedy_tokens(tiny_model_dir):
     prompts = [[100 + i for i in range(40)], [7, 8, 9, 10] * 9]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in llm.generate(prompts, params)]
+    team = thread_team.confine("cpu", None)  # None: the count torch had (2)
     try:
-        assert thread_team.confine("cpu")
+        assert team == thread_team.Team(num_threads=2, process_threads=2)
         assert torch.get_num_threads() == 1
 
         def step_owned():
-            thread_team.own(2)
+            team.own()
             assert torch.get_num_threads() == 2
             return [o.token_ids for o in llm.generate(prompts, params)]
 
         assert _in_thread(step_owned) == ref
         assert torch.get_num_threads() == 1
     finally:
-        torch.set_num_threads(2)
+        team.give_back()
+    assert torch.get_num_threads() == 2
