@@ -122,6 +122,9 @@ class ServeConfig:
     kv_lease_s: float = setting(60.0, "how long a prefill worker keeps a request's KV for a decode worker to pull")
     kv_transfer_timeout_s: float = setting(30.0, "the longest one KV transfer may take before it is retried")
     request_timeout_s: float = setting(300.0, "a request that produces nothing for this long ends with an error")
+    client_check_s: float = setting(
+        5.0, "how often a worker asks the ingress replicas which of its requests still have a client; one "
+             "whose client is gone is aborted there (the backstop for an abort that never arrived)")
     prefill_min_workers: int | None = setting(None, "prefill pool lower bound", group="scaling",
                                               default_doc="num_prefill_workers")
     prefill_max_workers: int | None = setting(None, "prefill pool upper bound (above the start size: autoscaling)",
@@ -179,7 +182,7 @@ class ServeConfig:
             if getattr(self, name) < 0:
                 raise ServeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s", "ingress_target_ongoing_requests",
-                     "autoscale_interval_s"):
+                     "autoscale_interval_s", "client_check_s"):
             if getattr(self, name) <= 0:
                 raise ServeConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.decode_max_prefill_tokens is not None and self.decode_max_prefill_tokens <= 0:

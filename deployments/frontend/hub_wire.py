@@ -3,6 +3,8 @@ ingress replica that holds the request, over one authenticated TCP connection pe
 
     decode / prefill worker ──HubClient.push──▶ (TCP, one connection per process and hub) ──▶ StreamHub
     router ──HubClient.delivered──▶ (a short connection, request and reply) ──▶ StreamHub
+    worker ──HubClient.held──▶ (likewise, every few seconds) ──▶ StreamHub: which of its requests
+                                                                  still have a client
 
 NOTE: not a Ray actor call. With a StreamHub actor between the workers and the ingress, each engine
 step cost two Ray calls (the worker's push, the ingress's long poll) and woke two more processes, on
@@ -171,6 +173,15 @@ class HubClient:
         with connect(addr, timeout_s) as sock:
             send_frame(sock, ("delivered", request_id))
             return recv_frame(sock)
+
+
+    @staticmethod
+    def held(addr: HubAddress, request_ids: list[str], timeout_s: float = 10.0) -> set[str]:
+        """Which of `request_ids` the hub still streams (the others' clients are gone). Blocking;
+        ConnectionRefusedError: nothing listens there any more (the replica is gone)."""
+        with connect(addr, timeout_s) as sock:
+            send_frame(sock, ("held", list(request_ids)))
+            return set(recv_frame(sock))
 
 
 _client: HubClient | None = None

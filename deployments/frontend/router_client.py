@@ -40,6 +40,9 @@ class RouterBackend:
             res: SubmitResult = await self.router.submit.remote(req)
         except BaseException:  # the client left (cancelled) or the router failed during the submit
             self.hub.close(req.request_id)
+            # NOTE: the submit may have reached the router (and been queued) all the same: this abort
+            # reaches it after the submit (one caller's calls to an async actor start in order).
+            self.router.abort.remote(req.request_id)
             raise
         if not res.accepted:
             self.hub.close(req.request_id)

@@ -12,7 +12,9 @@ and one thread per connection (one per sending process) reads its frames; events
 queue through its event loop's `call_soon_threadsafe`.
 
 Nothing stays behind: a stream leaves when its last event is accepted, or when its consumer closes
-it (client gone, refused at submit). Events of streams the hub does not hold are dropped.
+it (client gone, refused at submit). Events of streams the hub does not hold are dropped. Workers ask
+which of their requests still have a stream (`held`): one without is aborted there, even if the
+client's abort never arrived (engine_worker.py, `_sweep_orphans`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ class StreamHub:
         with self._lock:
             s = self._streams.get(request_id)
             return None if s is None else list(s.delivered)
+
+    def held(self, request_ids: list[str]) -> list[str]:
+        """Those of `request_ids` that still have a stream here (a consumer, or events to come)."""
+        with self._lock:
+            return [rid for rid in request_ids if rid in self._streams]
 
     def num_streams(self) -> int:
         """Streams held (a leak check: 0 once every request ended)."""
@@ -184,6 +191,8 @@ class StreamHub:
                         self.push(arg)
                     elif op == "delivered":
                         send_frame(conn, self.delivered(arg))
+                    elif op == "held":
+                        send_frame(conn, self.held(arg))
             except (OSError, WireError, EOFError):
                 return
             except Exception:  # noqa: BLE001 - a bad frame ends its connection, never the hub

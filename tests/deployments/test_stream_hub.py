@@ -40,6 +40,8 @@ def test_events_in_offset_order_once_each_over_the_wire():
         assert hub.delivered("a") is None and hub.num_streams() == 1
         got = await asyncio.to_thread(HubClient.delivered, hub.address, "b", 5.0)
         assert got == [7]
+        # Which requests still have a client: "a" finished, "never" was not opened here.
+        assert await asyncio.to_thread(HubClient.held, hub.address, ["a", "b", "never"], 5.0) == {"b"}
         hub.push([StreamEvent("gone", 0, [5])])  # a stream the hub does not hold: dropped
         hub.close("b")
         hub.push([StreamEvent("b", 1, [8])])
@@ -72,6 +74,15 @@ def test_a_connection_without_the_key_is_refused():
 
     asyncio.run(main())
     hub.shutdown()
+
+
+def test_a_hub_that_is_gone_refuses_the_held_question():
+    """A worker asking a hub whose replica is gone gets ConnectionRefusedError: its requests have no client."""
+    hub = StreamHub(host="127.0.0.1")
+    addr = hub.address
+    hub.shutdown()
+    with pytest.raises(ConnectionRefusedError):
+        HubClient.held(addr, ["r"], 5.0)
 
 
 def test_shutdown_ends_every_open_stream():

@@ -1,5 +1,6 @@
 """A request that cannot start fails at once, an attempt the router gave up on is cancelled on its
-worker, and a dead worker's KV channels are closed by its peers. Ray, a tiny random-weight model."""
+worker, a request whose client left is aborted everywhere even when no abort arrives, and a dead
+worker's KV channels are closed by its peers. Ray, a tiny random-weight model."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from helpers import local_ray, pdserve_router, wait_for, wait_no_leaks
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir):
     cfg = ServeConfig.from_dict(dict(model=tiny_model_dir("llama"), num_prefill_workers=1, num_decode_workers=1,
-                                     kv_cache_memory_mb=16, health_check_timeout_s=5.0))
+                                     kv_cache_memory_mb=16, health_check_timeout_s=5.0, client_check_s=0.5))
     with local_ray(2, namespace="pdserve-refusals"), pdserve_router(cfg, timeout_s=300) as router:
         yield router, RouterBackend(router, StreamHub(), "hub-refusals", request_timeout_s=120)
 
@@ -80,6 +81,52 @@ def test_a_request_the_workers_refuse_fails_at_once(cluster):
              lambda s: (s["num_tracked"], s["num_pending_decode"], s["num_unplaced"]) == (0, 0, 0),
              timeout_s=10, what="the router forgets the refused request")
     wait_no_leaks(router)
+
+
+def _orphans(router) -> int:
+    return sum(w["num_orphans"] for w in ray.get(router.check_integrity.remote(), timeout=30).values())
+
+
+def test_a_request_whose_client_left_unannounced_is_aborted_by_its_worker(cluster):
+    """The client's stream is gone from the hub, but no abort reached the router (lost on the way):
+    the decode worker finds out by itself (`client_check_s`) and frees the request everywhere."""
+    router, backend = cluster
+    before = _orphans(router)
+    loop = asyncio.new_event_loop()  # NOTE: not asyncio.run, whose shutdown would close the generator
+    try:
+        gen = backend.generate("unannounced", [5, 6, 7, 8], SamplingParams(max_tokens=1000, ignore_eos=True))
+        first = loop.run_until_complete(asyncio.wait_for(gen.__anext__(), 60))
+        assert first.token_ids and not first.finished
+        backend.hub.close("unannounced")  # the client is gone; the generator never runs its abort
+        wait_for(lambda: ray.get(router.stats.remote(), timeout=30), lambda s: s["num_tracked"] == 0,
+                 timeout_s=20, what="the router forgets the orphaned request")
+        wait_no_leaks(router, timeout_s=20)
+        assert _orphans(router) == before + 1
+    finally:
+        loop.run_until_complete(gen.aclose())
+        loop.close()
+
+
+def test_a_client_gone_during_submit_aborts_its_request(cluster):
+    """Cancelled while the router's `submit` is on its way: the request may be queued all the same, and
+    the abort that follows frees it (not the worker's client check, which is slower)."""
+    router, backend = cluster
+    before = _orphans(router)
+
+    async def go() -> None:
+        gen = backend.generate("gone-at-submit", [5, 6, 7, 8], SamplingParams(max_tokens=1000, ignore_eos=True))
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the generator has sent the submit and awaits its answer
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await gen.aclose()
+
+    asyncio.run(go())
+    wait_for(lambda: ray.get(router.stats.remote(), timeout=30), lambda s: s["num_tracked"] == 0,
+             timeout_s=20, what="the router forgets the abandoned request")
+    wait_no_leaks(router, timeout_s=20)
+    assert _orphans(router) == before  # the abort did it
 
 
 def test_a_dead_decode_workers_channels_are_closed_by_its_peers(cluster):

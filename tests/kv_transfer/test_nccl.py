@@ -135,8 +135,8 @@ def test_a_stuck_channel_holds_back_neither_compute_nor_the_caller():
         torch.cuda.synchronize()
 
 
-def _engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model=None, device="cuda", num_kv_blocks=NUM_BLOCKS, block_size=16))
+def _engine(model: str | None) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model, device="cuda", num_kv_blocks=NUM_BLOCKS, block_size=16))
 
 
 def _actors():
@@ -146,11 +146,11 @@ def _actors():
 
     @ray.remote(num_gpus=1, max_concurrency=8)
     class Prefill:
-        def __init__(self, worker_id: str):
+        def __init__(self, worker_id: str, model: str | None):
             from deployments.cluster.kv_endpoint import KVExporter
 
             self.lock = threading.RLock()
-            self.engine = _engine()
+            self.engine = _engine(model)
             self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, timeout_s=60)
 
         def transport(self, peer_id: str) -> str | None:
@@ -182,11 +182,11 @@ def _actors():
 
     @ray.remote(num_gpus=1, max_concurrency=8)
     class Decode:
-        def __init__(self, worker_id: str):
+        def __init__(self, worker_id: str, model: str | None):
             from deployments.cluster.kv_endpoint import KVImporter
 
             self.lock = threading.RLock()
-            self.engine = _engine()
+            self.engine = _engine(model)
             self.kv_importer = KVImporter(worker_id, self.engine, engine_lock=self.lock, timeout_s=60)
 
         def pull(self, handle, prompt_ids, exporter):
@@ -216,13 +216,13 @@ def _actors():
 
 @pytest.mark.gpu
 @two_gpus
-def test_nccl_disaggregated_matches_single_engine():
+def test_nccl_disaggregated_matches_single_engine(smollm2_or_tiny):
     ray = pytest.importorskip("ray")
 
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
     try:
         Prefill, Decode = _actors()
-        prefill, decode = Prefill.remote("p0"), Decode.remote("d0")
+        prefill, decode = Prefill.remote("p0", smollm2_or_tiny), Decode.remote("d0", smollm2_or_tiny)
         ref = ray.get(decode.run.remote(PROMPTS), timeout=300)
         reference = [ref[f"ref{i}"] for i in range(len(PROMPTS))]
         prefilled = ray.get([prefill.prefill.remote(f"r{i}", p) for i, p in enumerate(PROMPTS)], timeout=300)

@@ -157,14 +157,14 @@ def test_two_caches_on_one_gpu_get_the_staged_backend():
 
 
 @pytest.mark.gpu
-def test_prefill_and_decode_engines_on_one_gpu_hand_over_kv_through_host_memory():
+def test_prefill_and_decode_engines_on_one_gpu_hand_over_kv_through_host_memory(smollm2_or_tiny):
     """Both pools on one GPU, without Ray: a prefill engine's KV moves to a decode engine on the same
     device through the staged channel, and the decode side's greedy text is one engine's."""
     from engine import EngineConfig, LLMEngine, SamplingParams
     from kv_transfer import KVReceiver, KVSender
 
     params = SamplingParams(max_tokens=16, temperature=0)
-    config = EngineConfig(model=None, device="cuda", num_kv_blocks=128, block_size=16)
+    config = EngineConfig(model=smollm2_or_tiny, device="cuda", num_kv_blocks=128, block_size=16)
     prefill, decode = LLMEngine(config), LLMEngine(config)
     prompts = ["What is the capital of France?", "Name three prime numbers.", "Say hello in Spanish."]
     ids = [prefill.encode_prompt(p) for p in prompts]
@@ -206,7 +206,7 @@ def test_prefill_and_decode_engines_on_one_gpu_hand_over_kv_through_host_memory(
 
 
 @pytest.mark.gpu
-def test_both_pools_on_one_gpu_under_ray_pair_over_the_staged_channel():
+def test_both_pools_on_one_gpu_under_ray_pair_over_the_staged_channel(smollm2_or_tiny):
     """The serving path: a prefill and a decode actor sharing one GPU (`worker_num_gpus: 0.5`); the
     decode actor sends its device id along, the prefill actor picks staged gloo, greedy text as one engine."""
     ray = pytest.importorskip("ray")
@@ -215,7 +215,8 @@ def test_both_pools_on_one_gpu_under_ray_pair_over_the_staged_channel():
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         Prefill, Decode = _actors()
-        prefill, decode = Prefill.options(num_gpus=0.5).remote("p0"), Decode.options(num_gpus=0.5).remote("d0")
+        prefill, decode = Prefill.options(num_gpus=0.5).remote("p0", smollm2_or_tiny), \
+            Decode.options(num_gpus=0.5).remote("d0", smollm2_or_tiny)
         ref = ray.get(decode.run.remote(PROMPTS), timeout=300)
         prefilled = ray.get([prefill.prefill.remote(f"r{i}", p) for i, p in enumerate(PROMPTS)], timeout=300)
         ray.get([decode.pull.remote(h, ids, prefill) for h, ids in prefilled], timeout=300)
