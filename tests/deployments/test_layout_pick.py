@@ -42,3 +42,21 @@ def test_any_layout_setting_keeps_the_layout_as_given(given, capsys):
 def test_device_cpu_on_a_gpu_host_picks_the_cpu_layout():
     settings = with_layout({"device": "cpu"}, Hardware(cpus=4, gpus=2))
     assert settings["num_prefill_workers"] == 0 and settings["num_threads"] == 4 and settings["device"] == "cpu"
+
+
+def test_a_cpu_with_amx_serves_in_bfloat16_unless_told(capsys):
+    """bf16 matrix products run in hardware there (several times fp32's rate); `--dtype` decides otherwise."""
+    amx = Hardware(cpus=2, gpus=0, cpu_amx_bf16=True)
+    cfg = ServeConfig.from_dict(with_layout({}, amx))
+    assert cfg.engine.dtype == "bfloat16" and cfg.colocated
+    assert "dtype bfloat16" in capsys.readouterr().out
+    assert ServeConfig.from_dict(with_layout({"dtype": "float32"}, amx)).engine.dtype == "float32"
+    # A layout flag keeps the layout as given; the dtype is picked all the same.
+    assert with_layout({"num_prefill_workers": 1}, amx) == {"num_prefill_workers": 1, "dtype": "bfloat16"}
+
+
+def test_without_amx_or_on_a_gpu_the_dtype_is_the_engines_auto(capsys):
+    assert "dtype" not in with_layout({}, Hardware(cpus=2, gpus=0))  # fp32: bf16 math is no faster there
+    gpu = ServeConfig.from_dict(with_layout({}, Hardware(cpus=16, gpus=1, cpu_amx_bf16=True)))
+    assert gpu.engine.device == "cuda" and gpu.engine.dtype == "bfloat16"  # auto on CUDA
+    assert "dtype bfloat16 (this CPU" not in capsys.readouterr().out
