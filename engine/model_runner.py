@@ -54,15 +54,29 @@ class Linear:
     30 layers of weights that do not fit in cache): the prepacked path is 1.5x faster at 64 rows and
     2.2x at 8 (decode batches), ~1.15x at 1000 (prefill chunks). The cost is a second copy of the
     linear weights (the HF modules keep theirs: the model stays usable as a reference).
+
+    `matmul_dtype` (bf16 on CPU): the weight is kept in it and `x` is rounded to it for the product,
+    which comes back in `x`'s dtype (the CPU's bf16 path, see `ModelRunner`).
     """
 
-    __slots__ = ("weight", "bias", "packed")
+    __slots__ = ("weight", "bias", "packed", "matmul_dtype")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool):
-        self.weight, self.bias = weight, bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool,
+                 matmul_dtype: torch.dtype | None = None):
+        if matmul_dtype is not None and matmul_dtype != weight.dtype:
+            weight = weight.detach().to(matmul_dtype)
+            bias = None if bias is None else bias.detach().to(matmul_dtype)
+        else:
+            matmul_dtype = None
+        self.weight, self.bias, self.matmul_dtype = weight, bias, matmul_dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if prepack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.matmul_dtype is not None:
+            return self._product(x.to(self.matmul_dtype)).to(x.dtype)
+        return self._product(x)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -115,13 +129,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, hf_model, num_blocks: int, block_size: int, device: str, kv_dtype: torch.dtype | None = None):
+    def __init__(self, hf_model, num_blocks: int, block_size: int, device: str, kv_dtype: torch.dtype | None = None,
+                 matmul_dtype: torch.dtype | None = None):
+        """`matmul_dtype`: the dtype of the linear layers' products when it is not the model's (bf16 over
+        an fp32 model on CPU: `LLMEngine`); everything else computes in the model's dtype."""
         self.hf_model = hf_model
         cfg = hf_model.config
         self.config = cfg
         self.device = torch.device(device)
         self.dtype = next(hf_model.parameters()).dtype
-        self.kv_dtype = kv_dtype or self.dtype  # the cache's elements; all math stays in self.dtype
+        self.matmul_dtype = matmul_dtype if matmul_dtype != self.dtype else None
+        self.kv_dtype = kv_dtype or self.dtype  # the cache's elements; the other math stays in self.dtype
         self.num_layers = cfg.num_hidden_layers
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -156,7 +174,7 @@ class ModelRunner:
         self._fuse_rope = not any(hasattr(l.self_attn, "q_norm") for l in self.layers)  # Qwen3 norms q/k first
         self._fuse_projections()
         self._fuse_silu = getattr(cfg, "hidden_act", None) == "silu" and all(gu is not None for gu in self._gate_up)
-        self._build_linears(can_prepack(self.device, self.dtype))
+        self._build_linears(can_prepack(self.device, self.matmul_dtype or self.dtype))
 
     @torch.no_grad()
     def _fuse_projections(self) -> None:
@@ -190,12 +208,13 @@ class ModelRunner:
     @torch.no_grad()
     def _build_linears(self, prepack: bool) -> None:
         """The matmuls the forward pass runs: fused q/k/v, o, fused gate/up, down, and the lm_head."""
-        self._lin_qkv = [Linear(w, b, prepack) for w, b in self._qkv]
-        self._lin_o = [Linear(l.self_attn.o_proj.weight, l.self_attn.o_proj.bias, prepack) for l in self.layers]
-        self._lin_gate_up = [None if gu is None else Linear(gu, None, prepack) for gu in self._gate_up]
-        self._lin_down = [None if gu is None else Linear(l.mlp.down_proj.weight, l.mlp.down_proj.bias, prepack)
+        md = self.matmul_dtype
+        self._lin_qkv = [Linear(w, b, prepack, md) for w, b in self._qkv]
+        self._lin_o = [Linear(l.self_attn.o_proj.weight, l.self_attn.o_proj.bias, prepack, md) for l in self.layers]
+        self._lin_gate_up = [None if gu is None else Linear(gu, None, prepack, md) for gu in self._gate_up]
+        self._lin_down = [None if gu is None else Linear(l.mlp.down_proj.weight, l.mlp.down_proj.bias, prepack, md)
                           for gu, l in zip(self._gate_up, self.layers)]
-        self._lin_head = Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None), prepack)
+        self._lin_head = Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None), prepack, md)
 
     def _mlp(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
         gate_up = self._lin_gate_up[li]
