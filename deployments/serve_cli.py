@@ -112,6 +112,21 @@ def grpc_bind_error(http_host: str, grpc_port: int) -> str | None:
             "--http-host 0.0.0.0 (or ::) to serve both on every interface, or --grpc-port 0")
 
 
+def http_port_error(host: str, port: int) -> str | None:
+    """Why `pdserve serve` cannot listen on host:port (None: it can). Checked before Ray starts: with
+    direct ingress, Serve would otherwise move the replica to the next free port, and the URL printed
+    at start would not be the one served."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return f"cannot listen on {host}:{port} ({exc.strerror or exc}); pass a free --port"
+    return None
+
+
 def _free_port(host: str) -> int:
     import socket
 
@@ -221,6 +236,9 @@ def _serve(args: argparse.Namespace) -> int:
     launch, settings = split_args(args)
     cfg = ServeConfig.from_dict(settings)  # a bad setting stops here, before Ray starts (cli.main: exit 2)
     if why := grpc_bind_error(cfg.http_host, launch.grpc_port):
+        print(f"pdserve: {why}", file=sys.stderr)
+        return 2
+    if not launch.address and (why := http_port_error(cfg.http_host, cfg.http_port)):
         print(f"pdserve: {why}", file=sys.stderr)
         return 2
     if not launch.address:  # a cluster joined: its layout is picked once Ray is up (`_start`)

@@ -61,10 +61,16 @@ class RouterBackend:
         last_event = time.monotonic()
         try:
             while not finished:
+                # NOTE: a ready event is taken without a timer; `asyncio.timeout` rather than `wait_for`,
+                # which wraps every wait in a task of its own (per stream, per step, on the ingress's core).
                 try:
-                    events = await asyncio.wait_for(queue.get(), POLL_S)
-                except asyncio.TimeoutError:
-                    events = []
+                    events = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        async with asyncio.timeout(POLL_S):
+                            events = await queue.get()
+                    except TimeoutError:
+                        events = []
                 if events is LOST:
                     finish_reason = "error"
                     yield TokenDelta([], True, "error", "request stream lost", len(prompt_token_ids))

@@ -36,13 +36,22 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        # NOTE: a fast tokenizer without the space clean-up decodes exactly as its Rust tokenizer does;
+        # calling that directly skips transformers' wrapper (two decodes per token per stream).
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._backend = backend if hasattr(backend, "decode") and \
+            getattr(tokenizer, "clean_up_tokenization_spaces", True) is False else None
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+        if not ids:
+            return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self._skip)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, token_ids: list[int]) -> str:
         if not token_ids:

@@ -22,3 +22,16 @@ def test_pdserve_serve_refuses_grpc_beside_a_loopback_http(capsys):
     assert main(["serve", "--grpc-port", "9000"]) == 2  # the default --http-host is 127.0.0.1
     err = capsys.readouterr().err
     assert "--grpc-port 9000 with --http-host 127.0.0.1" in err and "--grpc-port 0" in err
+
+
+def test_pdserve_serve_refuses_a_port_in_use_before_ray_starts(capsys):
+    """Else Serve's direct ingress moves to the next free port and the URL printed is not the one served."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port}" in err and "--port" in err
