@@ -103,6 +103,13 @@ class StreamHub:
 
     def shutdown(self) -> None:
         self._closed = True
+        # NOTE: close() alone leaves the socket listening while `_listen` is blocked in accept(); a
+        # connection that came then was accepted and dropped instead of refused (a worker asking
+        # whether its clients are still here must hear "refused": the replica is gone).
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
