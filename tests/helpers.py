@@ -2,8 +2,9 @@
 with a deadline, a local Ray (with Serve, with pdserve's router), and offline reference runs.
 
 Import it as `helpers` (`from helpers import free_port`): tests/conftest.py puts tests/ on sys.path
-(pytest's default `prepend` import mode does that for every conftest's folder). Ray and Serve load
-only inside the helpers that start them, so tests without Ray do not pay for importing them.
+(pytest's default `prepend` import mode does that for every conftest's folder). Ray, Serve and uvicorn
+load only inside the helpers that start them, so tests without them do not pay for importing them
+(and engine tests run on a GPU machine that has none of them).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import socket
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence, TypeVar
-
-import uvicorn
 
 from engine import LLMEngine, RequestOutput, SamplingParams
 
@@ -48,6 +47,8 @@ class ThreadedServer:
     (or the end of a with-block). The socket is bound before the server starts: no race for the port."""
 
     def __init__(self, app: Any, start_timeout_s: float = 10.0):
+        import uvicorn
+
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port: int = sock.getsockname()[1]
