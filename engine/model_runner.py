@@ -43,8 +43,13 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether oneDNN's prepacked linear runs here for `dtype` (bf16 needs a CPU oneDNN does bf16 on;
+    elsewhere F.linear computes it)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class Linear:
