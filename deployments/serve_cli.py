@@ -206,7 +206,7 @@ def pick_dtype(hw: Hardware, device: str) -> str | None:
     """The dtype `pdserve serve` picks when none is given: bfloat16 on a CPU with AMX, whose bf16
     matrix products run several times faster than fp32 ones (README "Choosing a layout"); else None,
     the engine's `auto` (bfloat16 on CUDA, float32 on other CPUs, where bf16 math is not faster)."""
-    return "bfloat16" if device == "cpu" and hw.cpu_amx_bf16 else None
+    return "bfloat16" if not device.startswith("cuda") and hw.cpu_amx_bf16 else None
 
 
 def with_layout(settings: dict[str, Any], hw: Hardware) -> dict[str, Any]:
@@ -222,8 +222,7 @@ def with_layout(settings: dict[str, Any], hw: Hardware) -> dict[str, Any]:
         print(f"pdserve: layout for {_hardware_text(hw)}: {text}; any layout flag overrides it, e.g. {other}",
               flush=True)
         out = {**layout, **settings}
-    device = str(out.get("device", "cpu"))
-    if "dtype" not in settings and (dtype := pick_dtype(hw, "cpu" if not device.startswith("cuda") else device)):
+    if "dtype" not in settings and (dtype := pick_dtype(hw, str(out.get("device", "cpu")))):
         print(f"pdserve: dtype {dtype} (this CPU multiplies bf16 matrices in hardware, AMX); --dtype float32 "
               "computes in full precision, as transformers' own fp32 generate does", flush=True)
         out["dtype"] = dtype

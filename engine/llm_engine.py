@@ -70,10 +70,9 @@ class LLMEngine:
         # times fp32's rate), everything else (norms, rotary, attention, the residual stream) stays in
         # fp32 over a bf16 KV cache, where the compiled kernels run; all-bf16 activations fell back to
         # gather + SDPA and elementwise bf16 ops, 1.4x slower per decode step (README "dtype on CPU").
-        self.matmul_dtype = (torch.bfloat16 if config.dtype == "bfloat16" and torch.device(config.device).type == "cpu"
-                             else None)
+        matmul_dtype = torch.bfloat16 if config.dtype == "bfloat16" and torch.device(config.device).type == "cpu" else None
         self.hf_model, self.tokenizer, self.model_dir = load_model_and_tokenizer(
-            config.model, "float32" if self.matmul_dtype else config.dtype, config.device, config.cache_dir)
+            config.model, "float32" if matmul_dtype else config.dtype, config.device, config.cache_dir)
         hf_cfg = self.hf_model.config
         kv_dtype = getattr(torch, kv_cache_torch_dtype(config.kv_cache_dtype, config.dtype))
         if config.num_kv_blocks is not None:
@@ -84,7 +83,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.device, kv_dtype,
-                                  self.matmul_dtype)
+                                  matmul_dtype)
         limits = [hf_cfg.max_position_embeddings, num_blocks * config.block_size]
         if config.max_model_len:
             limits.append(config.max_model_len)

@@ -75,6 +75,8 @@ class Linear:
             matmul_dtype = None
         self.weight, self.bias, self.matmul_dtype = weight, bias, matmul_dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if prepack else None
+        if self.packed is not None and matmul_dtype is not None:
+            self.weight = None  # the packed copy is all the product reads (the model keeps its own weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matmul_dtype is not None:

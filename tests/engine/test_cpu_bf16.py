@@ -24,7 +24,9 @@ def test_bf16_on_cpu_multiplies_in_bf16_over_fp32_activations(tiny_model_dir):
     assert engine.config.dtype == "bfloat16"
     assert runner.dtype == torch.float32 and runner.matmul_dtype == torch.bfloat16
     assert runner.kv_cache.dtype == torch.bfloat16  # kv_cache_dtype auto: the model's dtype
-    assert runner._lin_qkv[0].weight.dtype == torch.bfloat16 and runner._lin_head.weight.dtype == torch.bfloat16
+    for lin in (runner._lin_qkv[0], runner._lin_head):  # the products read bf16 weights, and no fp32 copy
+        assert lin.matmul_dtype == torch.bfloat16
+        assert (lin.packed if lin.packed is not None else lin.weight).dtype == torch.bfloat16
     out = run_offline(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
     engine.check_integrity()
