@@ -121,6 +121,8 @@ def _load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
         lib.pdserve_add_rmsnorm.argtypes = [p, p, p, f32, p, i32, i32, i32]
         lib.pdserve_silu_mul.restype = None
         lib.pdserve_silu_mul.argtypes = [p, p, i32, i32, i32]
+        lib.pdserve_silu_mul_bf16.restype = None
+        lib.pdserve_silu_mul_bf16.argtypes = [p, p, i32, i32, i32]
         lib.pdserve_argmax_rows.restype = None
         lib.pdserve_argmax_rows.argtypes = [p, p, i32, i64, i32]
         _libs[shape] = lib
@@ -206,13 +208,15 @@ def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tenso
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` for `gate_up` = [T, 2n] contiguous fp32 (gate, then up); returns [T, n]."""
+    """`silu(gate) * up` for `gate_up` = [T, 2n] contiguous fp32 or bf16 (gate, then up); returns [T, n]
+    in the same dtype (bf16: computed in fp32, rounded once)."""
     lib = _load()
     assert lib is not None, "silu_mul called without available()"
-    assert gate_up.is_contiguous() and gate_up.dtype == torch.float32 and gate_up.shape[1] % 2 == 0
+    assert gate_up.is_contiguous() and gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.shape[1] % 2 == 0
     T, n = gate_up.shape[0], gate_up.shape[1] // 2
     y = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
-    lib.pdserve_silu_mul(gate_up.data_ptr(), y.data_ptr(), T, n, torch.get_num_threads())
+    fn = lib.pdserve_silu_mul if gate_up.dtype == torch.float32 else lib.pdserve_silu_mul_bf16
+    fn(gate_up.data_ptr(), y.data_ptr(), T, n, torch.get_num_threads())
     return y
 
 

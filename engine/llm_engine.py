@@ -12,6 +12,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, kv_cache_torch_dtype
 from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.host_memory import keep_freed_memory
 from engine.logprobs import attach_logprobs, record_prompt_logprobs
 from engine.model_loader import load_model_and_tokenizer
 from engine.model_runner import ModelRunner
@@ -66,6 +67,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cpu":
+            keep_freed_memory()  # activations stay in the heap between steps (engine/host_memory.py)
         # NOTE: bf16 on a CPU: the linear layers multiply in bf16 (AMX / AVX512-BF16 hardware, several
         # times fp32's rate), everything else (norms, rotary, attention, the residual stream) stays in
         # fp32 over a bf16 KV cache, where the compiled kernels run; all-bf16 activations fell back to

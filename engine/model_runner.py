@@ -80,10 +80,11 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.matmul_dtype is not None:
-            return self._product(x.to(self.matmul_dtype)).to(x.dtype)
-        return self._product(x)
+            return self.product(x.to(self.matmul_dtype)).to(x.dtype)
+        return self.product(x)
 
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The product for `x` already in the matmul dtype; the result is in it too."""
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -228,7 +229,10 @@ class ModelRunner:
         if gate_up is None:
             return layer.mlp(x)
         if self.fused_ops and self._fuse_silu:
-            return self._lin_down[li](cpu_kernels.silu_mul(gate_up(x)))
+            down = self._lin_down[li]
+            if self.matmul_dtype == torch.bfloat16:  # bf16 product in, bf16 out: the rounding down's input gets anyway
+                return down.product(cpu_kernels.silu_mul(gate_up.product(x.to(torch.bfloat16)))).to(x.dtype)
+            return down(cpu_kernels.silu_mul(gate_up(x)))
         gate, up = gate_up(x).chunk(2, dim=-1)
         return self._lin_down[li](layer.mlp.act_fn(gate) * up)
 
@@ -364,7 +368,7 @@ class ModelRunner:
                 q = q * cos + _rotate_half(q) * sin
                 k = k * cos + _rotate_half(k) * sin
                 write_kv(k_cache, v_cache, k, v, meta)
-            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace, self.matmul_dtype)
             h, x = self._add_norm(layer.post_attention_layernorm, h, self._lin_o[li](o.reshape(num_tokens, -1)))
             delta = self._mlp(li, layer, x)
         prompt = {span.chunk_index: self._prompt_logprobs(h, delta, span) for span in spans}

@@ -172,6 +172,23 @@ def test_silu_mul_matches_torch(n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("n", [1536, 37])
+def test_silu_mul_bf16_is_the_fp32_kernel_rounded_once(n):
+    # The bf16 path's MLP: bf16 products in, bf16 out, bit for bit the fp32 kernel then torch's rounding
+    # (inf included; a NaN stays a NaN), so the shortcut changes no number.
+    g = torch.Generator().manual_seed(n)
+    gate_up = (torch.randn(7, 2 * n, generator=g) * 8).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -88.5])
+    gate_up[1, :3] = torch.tensor([float("nan"), float("inf"), float("-inf")])
+    gate_up[1, n:n + 3] = torch.tensor([1.0, 2.0, 3.0])
+    got = cpu_kernels.silu_mul(gate_up)
+    want = cpu_kernels.silu_mul(gate_up.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == (7, n)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got.isnan().sum() == 1
+
+
+@needs_kernel
 @pytest.mark.parametrize("n", [1, 5, 16, 17, 1000, 49152])
 def test_argmax_rows_equals_torch(n):
     # Same index as torch: the first of equal maxima, the first NaN, 0 for a row of -inf.
