@@ -9,7 +9,7 @@ doing (forward pass, sampling, the Python around the step, per-step Ray calls, d
 An idle window before the burst measures what the control loops cost when nothing is served.
 
     .venv/bin/python benchmarks/serving_profile.py [--setups engine,colocated-direct,colocated-proxy,disagg-direct]
-        [--num-prompts 32] [--py-spy] [--result-json PATH]
+        [--num-prompts 32] [--py-spy] [--result-json PATH] [--dtype float32|bfloat16]
 
 Rows are components; columns are setups; each cell is core-ms of CPU per output token during the
 burst (the sum of a column, less the client, is what the server spent per token). Run it holding
@@ -253,13 +253,13 @@ CLIENT = ("# serving_profile_client\nimport json, sys\nsys.path.insert(0, sys.ar
 SETUPS = ("engine", "colocated-direct", "colocated-proxy", "disagg-direct", "disagg-proxy")
 
 
-def server(setup: str, threads: int) -> contextlib.AbstractContextManager[str]:
-    """The server of `setup` on `threads` cores; yields its base URL."""
+def server(setup: str, threads: int, dtype: str = "float32") -> contextlib.AbstractContextManager[str]:
+    """The server of `setup` on `threads` cores computing in `dtype`; yields its base URL."""
     from benchmarks.common import engine_http_server, serve_app
     from engine import EngineConfig
 
     if setup == "engine":
-        return engine_http_server(EngineConfig(model=None, num_threads=threads))
+        return engine_http_server(EngineConfig(model=None, num_threads=threads, dtype=dtype))
     layout, ingress = setup.split("-")
     if layout == "colocated":
         args = {"num_prefill_workers": 0, "num_decode_workers": 1, "threads_per_worker": threads,
@@ -267,6 +267,7 @@ def server(setup: str, threads: int) -> contextlib.AbstractContextManager[str]:
     else:  # the cores split between the pools, one worker each
         half = max(1, threads // 2)
         args = {"num_prefill_workers": 1, "num_decode_workers": 1, "threads_per_worker": half, "worker_num_cpus": half}
+    args["dtype"] = dtype
     return serve_app(args, num_cpus=threads, direct=ingress == "direct")
 
 
@@ -295,7 +296,7 @@ def profile(setup: str, args: argparse.Namespace, folder: Path) -> dict:
                 max_concurrency=args.max_concurrency, input_len_range=tuple(args.input_len_range),
                 output_len_range=tuple(args.output_len_range), vocab_size=49152, seed=args.seed,
                 timeout_s=args.timeout_s, progress=False)
-    with server(setup, args.threads) as url:
+    with server(setup, args.threads, args.dtype) as url:
         run_benchmark(BenchConfig(**{**load, "num_prompts": 4, "input_len_range": (32, 64),
                                      "output_len_range": (8, 8), "max_concurrency": None}, base_url=url))
         s0 = snapshot()
@@ -376,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--py-spy", action="store_true", help="split threads by py-spy samples (costs some CPU)")
     p.add_argument("--spy-rate", type=int, default=50, help="py-spy samples per second")
     p.add_argument("--result-json", default=None)
+    p.add_argument("--dtype", default=None, help="default: what `pdserve serve` picks on this host")
     args = p.parse_args(argv)
+    if args.dtype is None:
+        from deployments.serve_cli import local_hardware, pick_dtype
+        args.dtype = pick_dtype(local_hardware(), "cpu") or "float32"
     setups = args.setups.split(",")
     if bad := [s for s in setups if s not in SETUPS]:
         p.error(f"unknown setups {bad}; choose from {SETUPS}")
