@@ -7,7 +7,8 @@ Two sources, built into one library per model shape (see `_libs`):
     write, residual add + RMSNorm, SiLU x up), built with `-ffp-contract=off` so the elementwise
     ones round exactly as torch's do;
   * `csrc/vec_math.h`: the vector exp both use.
-The queries, activations and all the math are fp32; only the cache's elements may be narrower.
+All the math is fp32. The cache's elements may be narrower, and on the CPU's bf16 path the RMSNorm
+output and SiLU x up read or write bf16 (the products' inputs), rounded once as torch's `.to` rounds.
 A library is built for the machine it runs on (`-march=native`) and, for decode attention's register
 path, for one (query heads per KV head, head_dim) shape (`prepare_decode`); it is cached under
 `~/.cache/pdserve/kernels` (or `$PDSERVE_CACHE_DIR/kernels`) keyed by the sources, the shape, the
@@ -118,7 +119,7 @@ def _load(shape: tuple[int, int] | None = None) -> ctypes.CDLL | None:
         lib.pdserve_rope_store.restype = None
         lib.pdserve_rope_store.argtypes = [p, p, p, p, p, p, i64, p, p, i32, i32, i32, i32, i32, i32]
         lib.pdserve_add_rmsnorm.restype = None
-        lib.pdserve_add_rmsnorm.argtypes = [p, p, p, f32, p, i32, i32, i32]
+        lib.pdserve_add_rmsnorm.argtypes = [p, p, p, f32, p, i32, i32, i32, i32]
         lib.pdserve_silu_mul.restype = None
         lib.pdserve_silu_mul.argtypes = [p, p, i32, i32, i32]
         lib.pdserve_silu_mul_bf16.restype = None
@@ -194,16 +195,20 @@ def rope_store(qkv: torch.Tensor, q_out: torch.Tensor, cos: torch.Tensor, sin: t
                            T, heads, kv_heads, head_dim, _KV_KINDS[k_cache.dtype][0], torch.get_num_threads())
 
 
-def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's RMSNorm of `x` ([T, n] contiguous fp32), after `x += delta` in place when `delta` is given."""
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """HF's RMSNorm of `x` ([T, n] contiguous fp32), after `x += delta` in place when `delta` is given;
+    returned in `out_dtype` (fp32, or bf16: the fp32 result rounded once, as `.to` rounds it)."""
     lib = _load()
     assert lib is not None, "add_rmsnorm called without available()"
     assert x.is_contiguous() and weight.is_contiguous() and x.dtype == torch.float32 and x.shape[1] == weight.numel()
+    assert out_dtype in (torch.float32, torch.bfloat16)
     if delta is not None:
         assert delta.is_contiguous() and delta.shape == x.shape
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, dtype=out_dtype)
     lib.pdserve_add_rmsnorm(x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), float(eps),
-                            y.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+                            y.data_ptr(), x.shape[0], x.shape[1], int(out_dtype == torch.bfloat16),
+                            torch.get_num_threads())
     return y
 
 

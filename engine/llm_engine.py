@@ -70,9 +70,10 @@ class LLMEngine:
         if torch.device(config.device).type == "cpu":
             keep_freed_memory()  # activations stay in the heap between steps (engine/host_memory.py)
         # NOTE: bf16 on a CPU: the linear layers multiply in bf16 (AMX / AVX512-BF16 hardware, several
-        # times fp32's rate), everything else (norms, rotary, attention, the residual stream) stays in
-        # fp32 over a bf16 KV cache, where the compiled kernels run; all-bf16 activations fell back to
-        # gather + SDPA and elementwise bf16 ops, 1.4x slower per decode step (README "dtype on CPU").
+        # times fp32's rate), everything else (norms, rotary, decode attention, the residual stream)
+        # computes in fp32 over a bf16 KV cache, where the compiled kernels run (prefill attention and
+        # the products' inputs are bf16); all-bf16 activations fell back to gather + SDPA and
+        # elementwise bf16 ops, 1.4x slower per decode step (README "dtype on CPU").
         matmul_dtype = torch.bfloat16 if config.dtype == "bfloat16" and torch.device(config.device).type == "cpu" else None
         self.hf_model, self.tokenizer, self.model_dir = load_model_and_tokenizer(
             config.model, "float32" if matmul_dtype else config.dtype, config.device, config.cache_dir)

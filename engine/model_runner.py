@@ -64,10 +64,11 @@ class Linear:
     which comes back in `x`'s dtype (the CPU's bf16 path, see `ModelRunner`).
     """
 
-    __slots__ = ("weight", "bias", "packed", "matmul_dtype")
+    __slots__ = ("weight", "bias", "packed", "matmul_dtype", "out_dtype")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool,
                  matmul_dtype: torch.dtype | None = None):
+        self.out_dtype = weight.dtype  # what a call returns, whatever `x` comes in
         if matmul_dtype is not None and matmul_dtype != weight.dtype:
             weight = weight.detach().to(matmul_dtype)
             bias = None if bias is None else bias.detach().to(matmul_dtype)
@@ -79,8 +80,9 @@ class Linear:
             self.weight = None  # the packed copy is all the product reads (the model keeps its own weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in the weight's own dtype (`x` in it, or already rounded to the matmul dtype)."""
         if self.matmul_dtype is not None:
-            return self.product(x.to(self.matmul_dtype)).to(x.dtype)
+            return self.product(x.to(self.matmul_dtype)).to(self.out_dtype)
         return self.product(x)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,25 +227,29 @@ class ModelRunner:
         self._lin_head = Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None), prepack, md)
 
     def _mlp(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
+        """`x`: the normed activations, in the model's dtype or already rounded to the matmul dtype."""
         gate_up = self._lin_gate_up[li]
         if gate_up is None:
-            return layer.mlp(x)
+            return layer.mlp(x.to(self.dtype))
         if self.fused_ops and self._fuse_silu:
             down = self._lin_down[li]
             if self.matmul_dtype == torch.bfloat16:  # bf16 product in, bf16 out: the rounding down's input gets anyway
-                return down.product(cpu_kernels.silu_mul(gate_up.product(x.to(torch.bfloat16)))).to(x.dtype)
+                return down.product(cpu_kernels.silu_mul(gate_up.product(x.to(torch.bfloat16)))).to(self.dtype)
             return down(cpu_kernels.silu_mul(gate_up(x)))
         gate, up = gate_up(x).chunk(2, dim=-1)
         return self._lin_down[li](layer.mlp.act_fn(gate) * up)
 
-    def _add_norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _add_norm(self, norm, h: torch.Tensor, delta: torch.Tensor | None,
+                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after adding `delta` (a layer's output; None: nothing to add), and its
-        norm. The fused path adds in place: `h` is the runner's own activation, never a caller's."""
+        norm, in `out_dtype` when given (bf16: the input of the next matmul, rounded here once rather
+        than in a copy). The fused path adds in place: `h` is the runner's own activation, never a caller's."""
         if self.fused_ops and self._fuse_norm:
-            return h, cpu_kernels.add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon)
+            return h, cpu_kernels.add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon, out_dtype or h.dtype)
         if delta is not None:
             h = h + delta
-        return h, norm(h)
+        x = norm(h)
+        return h, x if out_dtype is None else x.to(out_dtype)
 
     @staticmethod
     def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
@@ -349,7 +355,7 @@ class ModelRunner:
         delta = None  # the last sublayer's output, not yet added to the residual stream `h`
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h, x = self._add_norm(layer.input_layernorm, h, delta)
+            h, x = self._add_norm(layer.input_layernorm, h, delta, self.matmul_dtype)
             qkv = self._lin_qkv[li](x)
             k_cache, v_cache = self.kv_cache[:, li, 0], self.kv_cache[:, li, 1]
             if fuse_rope:
@@ -369,7 +375,8 @@ class ModelRunner:
                 k = k * cos + _rotate_half(k) * sin
                 write_kv(k_cache, v_cache, k, v, meta)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.workspace, self.matmul_dtype)
-            h, x = self._add_norm(layer.post_attention_layernorm, h, self._lin_o[li](o.reshape(num_tokens, -1)))
+            h, x = self._add_norm(layer.post_attention_layernorm, h, self._lin_o[li](o.reshape(num_tokens, -1)),
+                                  self.matmul_dtype)
             delta = self._mlp(li, layer, x)
         prompt = {span.chunk_index: self._prompt_logprobs(h, delta, span) for span in spans}
         if sample_rows.numel() == 0:

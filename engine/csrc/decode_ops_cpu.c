@@ -73,12 +73,13 @@ void pdserve_rope_store(float *qkv, float *q_out, const float *cos, const float 
 }
 
 /* HF's RMSNorm of each of T rows of n floats: y = w * (x * rsqrt(mean(x^2) + eps)), rounded in that
- * order. With `delta`, first x += delta (the residual add, in place). */
-void pdserve_add_rmsnorm(float *x, const float *delta, const float *w, float eps, float *y, int T, int n,
-                         int num_threads) {
+ * order. With `delta`, first x += delta (the residual add, in place). With `y_bf16`, y is bf16 (the
+ * input of a bf16 matmul), each value the fp32 result rounded to nearest even, as torch's `.to` does. */
+void pdserve_add_rmsnorm(float *x, const float *delta, const float *w, float eps, void *y, int T, int n,
+                         int y_bf16, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (T >= 16)
     for (int t = 0; t < T; t++) {
-        float *xr = x + (int64_t)t * n, *yr = y + (int64_t)t * n;
+        float *xr = x + (int64_t)t * n;
         if (delta) {
             const float *dr = delta + (int64_t)t * n;
             for (int i = 0; i < n; i++) xr[i] = xr[i] + dr[i];
@@ -95,7 +96,13 @@ void pdserve_add_rmsnorm(float *x, const float *delta, const float *w, float eps
             for (int i = 0; i < n; i++) sum += xr[i] * xr[i];
         }
         const float r = 1.0f / sqrtf(sum / (float)n + eps);
-        for (int i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * r);
+        if (y_bf16) {
+            uint16_t *yr = (uint16_t *)y + (int64_t)t * n;
+            for (int i = 0; i < n; i++) yr[i] = bf16_from_f32(w[i] * (xr[i] * r));
+        } else {
+            float *yr = (float *)y + (int64_t)t * n;
+            for (int i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * r);
+        }
     }
 }
 

@@ -158,6 +158,10 @@ def test_add_rmsnorm_matches_hf(n):
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(cpu_kernels.add_rmsnorm(x, None, norm.weight, 1e-5), norm(x), rtol=2e-6, atol=1e-6)
+    # bf16 out (the CPU bf16 path's matmul input): the fp32 result rounded once, bit for bit.
+    fp32 = cpu_kernels.add_rmsnorm(x, None, norm.weight, 1e-5)
+    bf16 = cpu_kernels.add_rmsnorm(x, None, norm.weight, 1e-5, torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, fp32.to(torch.bfloat16))
 
 
 @needs_kernel
