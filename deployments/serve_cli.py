@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from deployments.config_fields import Kind, Setting, settings_of
 
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 _GROUPS = {"launch": "starting Ray and Serve", "serve": "server", "engine": "engine of every worker",
            "scaling": "autoscaling and failures (see README \"Scaling and failures\")"}
 _METAVARS = {Kind.INT: "N", Kind.FLOAT: "X", Kind.STR: "STR", Kind.RESOURCES: "JSON"}
+# The most cores on which `pdserve serve` picks the single-process layout: there the Ray layouts' own
+# processes take a share of the engine's cores that costs it 20-30% (README "Choosing a layout").
+SINGLE_PROCESS_MAX_CPUS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,10 @@ class LaunchOptions:
     grpc_port: int = field(default=0, metadata={
         "help": "gRPC port (0: no gRPC service); needs --http-host 0.0.0.0 or ::, since Serve's gRPC proxy "
                 "listens on every interface"})
+    layout: Literal["auto", "single", "ray"] = field(default="auto", metadata={
+        "help": "single: the engine and the HTTP server in this one process, no Ray; ray: Ray Serve with the "
+                "router and worker pools (the layout flags shape them); auto: single on a CPU-only host of at "
+                f"most {SINGLE_PROCESS_MAX_CPUS} cores when no setting asks for Ray, else ray (README \"Choosing a layout\")"})
     cluster_resources: bool = field(default=False, metadata={
         "help": "pin the workers to nodes with the prefill / decode custom resources of cluster.yaml "
                 "(sets prefill_resources / decode_resources unless given)"})
@@ -196,6 +203,44 @@ def pick_layout(hw: Hardware) -> tuple[dict[str, Any], str]:
             f"colocated, {hw.nodes} worker{'s' * (hw.nodes > 1)} x {hw.cpus} thread{'s' * (hw.cpus > 1)}")
 
 
+def ray_reasons(launch: LaunchOptions, settings: dict[str, Any]) -> list[str]:
+    """What in the command line only a Ray layout can do (flags as typed); empty: single can serve it."""
+    from deployments.config import serve_settings
+    from deployments.local_server import ray_only_settings
+
+    flags = {s.name: s.flags[0] for s in serve_settings()}
+    out = [flags.get(k, k) for k in ray_only_settings(settings)]
+    if launch.address:
+        out.append("--address")
+    if launch.grpc_port:
+        out.append("--grpc-port")
+    if launch.cluster_resources:
+        out.append("--cluster-resources")
+    return out
+
+
+def picks_single_process(launch: LaunchOptions, settings: dict[str, Any], hw: Hardware) -> bool:
+    """Whether `pdserve serve` serves in one process: told so, or `auto` on a CPU-only host of at most
+    SINGLE_PROCESS_MAX_CPUS cores with nothing in the command line that needs Ray."""
+    if launch.layout != "auto":
+        return launch.layout == "single"
+    on_cpu = hw.gpus == 0 or not str(settings.get("device", "cuda")).startswith("cuda")
+    return on_cpu and hw.cpus <= SINGLE_PROCESS_MAX_CPUS and not ray_reasons(launch, settings)
+
+
+def with_single_process(settings: dict[str, Any], hw: Hardware, picked: bool) -> dict[str, Any]:
+    """`settings` for the single-process layout on `hw`: a torch thread per core unless told, the
+    dtype for `hw`; prints what it picked (`picked`: chosen by `auto`)."""
+    out = dict(settings)
+    out.setdefault("num_threads", hw.cpus)
+    if picked:
+        n = out["num_threads"]
+        print(f"pdserve: layout for {_hardware_text(hw)}: single process, the engine ({n} thread{'s' * (n > 1)}) "
+              "and the HTTP server in this process, no Ray; --layout ray serves through Ray (a colocated worker; "
+              "--prefill-workers 1 --decode-workers 1: disaggregated)", flush=True)
+    return _with_dtype(out, settings, hw)
+
+
 def _hardware_text(hw: Hardware) -> str:
     gpus = f"{hw.gpus} GPU{'s' * (hw.gpus != 1)}" if hw.gpus else "no GPU"
     node = f"{hw.nodes} nodes x {hw.cpus}" if hw.nodes > 1 else f"{hw.cpus}"
@@ -222,7 +267,11 @@ def with_layout(settings: dict[str, Any], hw: Hardware) -> dict[str, Any]:
         print(f"pdserve: layout for {_hardware_text(hw)}: {text}; any layout flag overrides it, e.g. {other}",
               flush=True)
         out = {**layout, **settings}
-    if "dtype" not in settings and (dtype := pick_dtype(hw, str(out.get("device", "cpu")))):
+    return _with_dtype(out, settings, hw)
+
+
+def _with_dtype(out: dict[str, Any], given: dict[str, Any], hw: Hardware) -> dict[str, Any]:
+    if "dtype" not in given and (dtype := pick_dtype(hw, str(out.get("device", "cpu")))):
         print(f"pdserve: dtype {dtype} (this CPU multiplies bf16 matrices in hardware, AMX); --dtype float32 "
               "computes in full precision, as transformers' own fp32 generate does", flush=True)
         out["dtype"] = dtype
@@ -240,8 +289,20 @@ def _serve(args: argparse.Namespace) -> int:
     if not launch.address and (why := http_port_error(cfg.http_host, cfg.http_port)):
         print(f"pdserve: {why}", file=sys.stderr)
         return 2
+    if launch.layout == "single" and (why := ray_reasons(launch, settings)):
+        print(f"pdserve: --layout single serves one engine in this process, without Ray; {', '.join(why)} "
+              "needs Ray: drop it, or pass --layout ray", file=sys.stderr)
+        return 2
+    if not launch.address:
+        hw = local_hardware()
+        if picks_single_process(launch, settings, hw):
+            from deployments.local_server import serve_single_process
+
+            serve_single_process(ServeConfig.from_dict(
+                with_single_process(settings, hw, picked=launch.layout == "auto")))
+            return 0
     if not launch.address:  # a cluster joined: its layout is picked once Ray is up (`_start`)
-        settings = with_layout(settings, local_hardware())
+        settings = with_layout(settings, hw)
         # NOTE: direct ingress unless told otherwise where pdserve starts Ray itself (it can set Ray's
         # variables) and one ingress replica serves: more would share the proxy's port no more.
         if "direct_ingress" not in settings and (cfg.ingress_max_replicas or cfg.ingress_replicas) == 1:
@@ -289,16 +350,20 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, settings: dict[str, Any], pr
     if launch.grpc_port:
         serve.run(build_grpc_app(cfg.to_dict()), name="pdserve-grpc", route_prefix="/pdserve-grpc")
     url = f"http://{cfg.http_host}:{cfg.http_port}"
-    print(f"pdserve: ready in {time.perf_counter() - t0:.0f}s at {url}/v1  (model: {cfg.served_model_name})", flush=True)
-    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{cfg.served_model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
-          flush=True)
+    print_ready(url, cfg.served_model_name, time.perf_counter() - t0)
     if launch.grpc_port:
         print(f"  gRPC: pdserve.Generation/Generate on port {launch.grpc_port} of every interface "
               "(metadata application=pdserve-grpc)", flush=True)
     if cfg.direct_ingress:
         print(f"  direct ingress: the ingress replica serves {url}; Serve's proxy is on port {proxy_port}",
               flush=True)
+
+
+def print_ready(url: str, model_name: str, took_s: float) -> None:
+    print(f"pdserve: ready in {took_s:.0f}s at {url}/v1  (model: {model_name})", flush=True)
+    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
+          flush=True)
 
 
 def _wait_for_stop() -> None:

@@ -124,12 +124,19 @@ class LocalEngineBackend:
 
     max_num_requests: at most this many requests in flight (queued or running); more raise
     `QueueFullError` with `retry_after_s`. None: unbounded.
+    max_queued_requests: at most this many requests accepted but not yet running in the engine (the
+    Ray layouts' `max_queued_requests`: requests admitted but not decoding); more raise `QueueFullError`.
+    request_timeout_s: a request that gets no event for this long ends with finish_reason "error" (and
+    is aborted), as the router's backend does. None: it waits as long as the engine takes.
     """
 
     def __init__(self, engine: LLMEngine, max_num_requests: int | None = None, retry_after_s: float = 1.0,
-                 idle_integrity_check: bool = True):
+                 idle_integrity_check: bool = True, max_queued_requests: int | None = None,
+                 request_timeout_s: float | None = None):
         self.engine = engine
         self.max_num_requests = max_num_requests
+        self.max_queued_requests = max_queued_requests
+        self.request_timeout_s = request_timeout_s
         self.retry_after_s = retry_after_s
         self.idle_integrity_check = idle_integrity_check
         self._cv = threading.Condition()
@@ -158,13 +165,30 @@ class LocalEngineBackend:
                 raise QueueFullError(
                     f"{len(self._streams)} requests in flight (limit {self.max_num_requests}); retry later",
                     self.retry_after_s)
+            if self.max_queued_requests is not None and \
+                    (queued := len(self._streams) - self.engine.num_running) >= self.max_queued_requests:
+                # NOTE: num_running is read off the engine thread: a plain count, at worst one step old.
+                raise QueueFullError(f"server busy: {queued} requests queued (max_queued_requests "
+                                     f"{self.max_queued_requests}); retry later", self.retry_after_s)
             self._streams[request_id] = stream
             self._commands.append(_Command("add", request_id, list(prompt_token_ids), params, priority, cache_salt))
             self._cv.notify()
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                try:
+                    item = stream.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        # NOTE: `asyncio.timeout`, not `wait_for` (a task per wait); no timer at all
+                        # for an event already queued.
+                        async with asyncio.timeout(self.request_timeout_s):
+                            item = await stream.queue.get()
+                    except TimeoutError:
+                        yield TokenDelta([], True, "error",
+                                         f"no progress for {self.request_timeout_s:g}s (request_timeout_s)",
+                                         stream.num_prompt_tokens)
+                        return  # `finally` aborts it in the engine
                 if isinstance(item, BaseException):
                     finished = True  # the engine rejected it: nothing to abort
                     raise item

@@ -1,5 +1,5 @@
 """OpenAI API parity with the official `openai` client, colocated (one engine in process behind the HTTP
-app) and disaggregated (Serve ingress -> router -> 1 prefill + 2 decode workers, real KV transfer):
+app: the single-process layout of `pdserve serve`) and disaggregated (Serve ingress -> router -> 1 prefill + 2 decode workers, real KV transfer):
 logprobs (checked against transformers' forward pass), echo and prompt logprobs, max_tokens 0, n with a
 seed, batched prompts, penalties and logit_bias (greedy output equal to transformers' generate with the
 same logits processors), streamed and not; gRPC's logprobs and n; a decode worker killed under a
@@ -18,9 +18,8 @@ from ray import serve
 from transformers import AutoModelForCausalLM, LogitsProcessor
 
 from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app
-from deployments.frontend.backend import LocalEngineBackend
-from deployments.frontend.http_app import build_openai_app
-from engine import EngineConfig, LLMEngine
+from deployments.config import ServeConfig
+from deployments.local_server import build_single_process_app
 from engine.model_loader import resolve_model_dir
 from helpers import ThreadedServer, free_port, local_serve, wait_for, wait_no_leaks
 
@@ -41,10 +40,10 @@ def hf():
 
 @pytest.fixture(scope="module")
 def colocated():
-    engine = LLMEngine(EngineConfig(model=None, num_threads=2))
-    backend = LocalEngineBackend(engine)
-    with ThreadedServer(build_openai_app(backend, engine.tokenizer, MODEL, engine.max_model_len)) as srv:
-        yield srv.url, engine.tokenizer
+    """The single-process layout's app (`pdserve serve --layout single`): one engine in this process."""
+    app, backend = build_single_process_app(ServeConfig.from_dict({"num_threads": 2, "dtype": "float32"}))
+    with ThreadedServer(app) as srv:
+        yield srv.url, backend.engine.tokenizer
     backend.shutdown()
 
 

@@ -1,0 +1,241 @@
+"""The single-process layout (`pdserve serve --layout single`, what `auto` picks on a CPU-only host of at
+most 4 cores): the engine and the OpenAI HTTP app in one process, no Ray.
+
+What it must do as the server a user starts: pick itself only where nothing asks for Ray, refuse (exit
+2, naming the flag) a Ray-only setting rather than ignore it, answer greedy requests exactly as
+transformers' `generate` does, free a disconnected client's blocks, honour max_queued_requests and
+request_timeout_s, and stop cleanly on SIGTERM. The API surface itself runs through the same app in
+tests/e2e/test_openai_parity.py ("single" there is `build_single_process_app`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from deployments.cli import main
+from deployments.config import ServeConfig
+from deployments.frontend.backend import LocalEngineBackend, QueueFullError
+from deployments.local_server import ray_only_settings, single_process_engine_config
+from deployments.serve_cli import (
+    SINGLE_PROCESS_MAX_CPUS, Hardware, LaunchOptions, local_hardware, picks_single_process, with_single_process)
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.model_loader import resolve_model_dir
+from helpers import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "SmolLM2-135M-Instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# ---------------------------------------------------------------------- the pick
+def test_auto_picks_single_on_a_small_cpu_host_only_when_nothing_needs_ray(capsys):
+    auto = LaunchOptions()
+    assert picks_single_process(auto, {}, Hardware(cpus=2, gpus=0))
+    assert picks_single_process(auto, {"max_num_seqs": 64, "api_key": "k", "http_port": 9000}, Hardware(2, 0))
+    assert picks_single_process(auto, {"device": "cpu"}, Hardware(cpus=4, gpus=2))
+    assert not picks_single_process(auto, {}, Hardware(cpus=SINGLE_PROCESS_MAX_CPUS + 1, gpus=0))
+    assert not picks_single_process(auto, {}, Hardware(cpus=2, gpus=1))
+    for ray_setting in ({"num_prefill_workers": 0}, {"num_decode_workers": 2}, {"decode_max_workers": 3},
+                        {"direct_ingress": True}, {"client_check_s": 1.0}):
+        assert not picks_single_process(auto, ray_setting, Hardware(2, 0)), ray_setting
+    assert not picks_single_process(LaunchOptions(grpc_port=9000), {}, Hardware(2, 0))
+    assert not picks_single_process(LaunchOptions(layout="ray"), {}, Hardware(2, 0))
+    assert picks_single_process(LaunchOptions(layout="single"), {}, Hardware(cpus=64, gpus=0))
+
+    settings = with_single_process({}, Hardware(cpus=2, gpus=0, cpu_amx_bf16=True), picked=True)
+    cfg = ServeConfig.from_dict(settings)
+    assert cfg.engine.num_threads == 2 and cfg.engine.dtype == "bfloat16"
+    out = capsys.readouterr().out
+    assert "2 CPU cores, no GPU: single process" in out and "--layout ray" in out
+    assert "--prefill-workers 1 --decode-workers 1" in out  # the disaggregated layout, one flag away
+    assert with_single_process({"num_threads": 1, "dtype": "float32"}, Hardware(2, 0), picked=False) == \
+        {"num_threads": 1, "dtype": "float32"}
+
+
+def test_the_single_engine_prefills_without_a_decode_workers_cap():
+    cfg = ServeConfig.from_dict({"num_threads": 2})  # defaults: 1 prefill + 1 decode worker
+    assert cfg.engine_config("decode").max_prefill_tokens_per_step == cfg.decode_max_prefill_tokens
+    assert single_process_engine_config(cfg).max_prefill_tokens_per_step is None
+
+
+def test_only_engine_and_front_door_settings_are_single_process_settings():
+    assert ray_only_settings({"max_num_seqs": 8, "dtype": "float32", "enable_prefix_caching": True, "api_key": "k",
+                              "http_host": "0.0.0.0", "http_port": 1, "model_name": "m", "max_queued_requests": 3,
+                              "request_timeout_s": 9.0}) == []
+    assert ray_only_settings({"num_prefill_workers": 1, "kv_lease_s": 5.0, "max_num_seqs": 8}) == \
+        ["kv_lease_s", "num_prefill_workers"]
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--prefill-workers", "1"], "--num-prefill-workers"),
+    (["--decode-max-workers", "2"], "--decode-max-workers"),
+    (["--no-prefix-aware-routing"], "--prefix-aware-routing"),
+    (["--grpc-port", "9000", "--http-host", "0.0.0.0"], "--grpc-port"),
+])
+def test_layout_single_refuses_what_only_ray_does_before_loading_anything(argv, named, capsys):
+    assert main(["serve", "--layout", "single", "--port", str(free_port()), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "--layout single" in err and named in err and "--layout ray" in err
+
+
+# ---------------------------------------------------------------------- the backend's limits
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(EngineConfig(model=None, num_threads=2))
+
+
+def _held(backend: LocalEngineBackend, seconds: float):
+    """Keep the engine thread busy for `seconds` (between steps, as a slow step would)."""
+    return backend.run_on_engine(lambda _e: time.sleep(seconds))
+
+
+async def _collect(backend: LocalEngineBackend, rid: str, ids: list[int], n: int):
+    return [d async for d in backend.generate(rid, ids, SamplingParams(max_tokens=n, temperature=0.0))]
+
+
+def test_max_queued_requests_refuses_with_retry_and_keeps_the_queued_one(engine):
+    backend = LocalEngineBackend(engine, max_queued_requests=1, retry_after_s=2.0)
+    try:
+        held = _held(backend, 1.0)
+
+        async def scenario():
+            first = asyncio.create_task(_collect(backend, "q-1", [1, 2, 3, 4], 4))
+            await asyncio.sleep(0.05)  # q-1 is queued: the engine thread has not taken it yet
+            with pytest.raises(QueueFullError, match="max_queued_requests") as exc:
+                await _collect(backend, "q-2", [1, 2, 3], 4)
+            assert exc.value.retry_after_s == 2.0
+            return await asyncio.wait_for(first, 60)
+
+        events = asyncio.run(scenario())
+        held.result(10)
+        assert events[-1].finished and events[-1].finish_reason == "length"
+        assert sum(len(e.token_ids) for e in events) == 4
+        assert backend.run_on_engine(lambda e: e.check_integrity() or e.num_running + e.num_waiting).result(10) == 0
+    finally:
+        backend.shutdown()
+
+
+def test_request_timeout_ends_a_silent_request_with_an_error_and_frees_it(engine):
+    backend = LocalEngineBackend(engine, request_timeout_s=0.3)
+    try:
+        held = _held(backend, 1.5)
+        events = asyncio.run(_collect(backend, "t-1", [5, 6, 7, 8], 8))
+        held.result(10)
+        assert [e.finish_reason for e in events] == ["error"] and "request_timeout_s" in events[0].error
+        wait_for(lambda: backend.run_on_engine(lambda e: e.num_running + e.num_waiting).result(10) == 0,
+                 timeout_s=10, what="the timed-out request left the engine")
+        assert backend.num_requests == 0
+        backend.run_on_engine(lambda e: e.check_integrity()).result(10)
+    finally:
+        backend.shutdown()
+
+
+# ---------------------------------------------------------------------- `pdserve serve` itself
+@pytest.fixture(scope="module")
+def served():
+    """`pdserve serve` as a user starts it (fp32, so greedy equals transformers' fp32 generate),
+    layout left to `auto` on this host unless it is too large for single (then told)."""
+    port = free_port()
+    hw = local_hardware()
+    layout = [] if hw.cpus <= SINGLE_PROCESS_MAX_CPUS and not hw.gpus else ["--layout", "single"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--port", str(port), "--dtype",
+                             "float32", "--max-num-seqs", "8", "--kv-cache-memory-mb", "64", *layout],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("pdserve: ready" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            lines.append(proc.stdout.readline())
+        yield f"http://127.0.0.1:{port}", proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return AutoModelForCausalLM.from_pretrained(resolve_model_dir(None, torch.float32), dtype=torch.float32).eval()
+
+
+def test_serve_says_it_picked_one_process_and_runs_no_ray(served):
+    _, proc, lines = served
+    if "--layout" not in proc.args:
+        assert any("single process" in line and "--layout ray" in line for line in lines), lines
+    import psutil
+
+    names = {c.name() for c in psutil.Process(proc.pid).children(recursive=True)}
+    assert not any("raylet" in n or "gcs_server" in n for n in names), names
+
+
+def test_greedy_output_equals_transformers_generate(served, hf):
+    url, _, _ = served
+    from engine.model_loader import load_tokenizer
+
+    tok = load_tokenizer(None, "float32", None)
+    out = tok.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=True)
+    chat_ids = list(out if isinstance(out, list) else out["input_ids"])
+    text_ids = tok.encode("The three largest cities of Italy are", add_special_tokens=False)
+    with torch.no_grad():
+        chat_ref = hf.generate(torch.tensor([chat_ids]), max_new_tokens=16, do_sample=False)[0, len(chat_ids):]
+        text_ref = hf.generate(torch.tensor([text_ids]), max_new_tokens=16, min_new_tokens=16,
+                               do_sample=False)[0, len(text_ids):]
+    chat_ref = chat_ref.tolist()
+    if tok.eos_token_id in chat_ref:
+        chat_ref = chat_ref[:chat_ref.index(tok.eos_token_id)]
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": FRANCE, "max_tokens": 16, "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"] == tok.decode(chat_ref, skip_special_tokens=True)
+    done = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": text_ids, "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
+    assert done["choices"][0]["text"] == tok.decode(text_ref.tolist())
+    assert done["usage"] == {"prompt_tokens": len(text_ids), "completion_tokens": 16,
+                             "total_tokens": len(text_ids) + 16, "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_a_client_gone_mid_stream_frees_every_block_and_others_keep_streaming(served):
+    url, _, _ = served
+
+    def long_stream(n: int) -> list[str]:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": "Once upon a time", "max_tokens": n, "stream": True,
+                "ignore_eos": True, "temperature": 0}) as r:
+            return [line for line in r.iter_lines() if line.startswith("data:")]
+
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}) as r:
+        for i, _line in enumerate(r.iter_lines()):
+            if i >= 6:
+                break  # the client leaves mid-stream
+    whole = long_stream(12)
+    assert whole[-1] == "data: [DONE]" and len(whole) >= 13
+
+    def health() -> dict:
+        return httpx.get(f"{url}/health", timeout=10).json()
+
+    h = wait_for(health, lambda h: h["num_requests"] == 0 and h["num_running"] == 0, timeout_s=30,
+                 what="the abandoned request is gone")
+    assert h["num_free_blocks"] == h["num_blocks"] and h["status"] == "ok"
+
+
+def test_sigterm_stops_the_server_cleanly(served):
+    url, proc, _ = served
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    rest = proc.stdout.read()
+    assert "pdserve: shutting down" in rest
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=5)
