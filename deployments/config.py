@@ -106,6 +106,10 @@ class ServeConfig:
         512, "conditional disaggregation: a prompt up to this long is prefilled on a decode worker when that "
              "would start it sooner than the prefill pool's queue (0: always the prefill pool)",
         doc="See Conditional disaggregation")
+    share_node_cores: bool = setting(
+        True, "CPU workers of one node also step on the cores of the node's idle workers: each uses "
+              "max(num_threads, node cores // workers with work) threads, counted again every step",
+        doc="See Choosing a layout")
     prefix_aware_routing: bool = setting(
         True, "send each prompt where its prefix is likely cached, weighed against the queues "
               "(needs enable_prefix_caching)", doc="See Prefix caching and cache-aware routing")

@@ -59,6 +59,7 @@ def gomp() -> ctypes.CDLL | None:
         lib.omp_set_num_threads.argtypes = [ctypes.c_int]
         lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
         lib.omp_pause_resource_all.restype = ctypes.c_int
+        lib.omp_get_max_threads.restype = ctypes.c_int
         return lib
     except (OSError, AttributeError) as exc:
         logger.info("thread team: %s has no usable OpenMP API (%s)", path, exc)
@@ -77,6 +78,11 @@ class Team:
         threads; every other thread keeps torch's process-wide count (1)."""
         torch.get_num_threads()  # torch sets each thread's count from its process-wide one on first use
         gomp().omp_set_num_threads(self.num_threads)
+
+    def resize(self, num_threads: int) -> None:
+        """On the stepping thread: its next parallel regions use `num_threads` threads (the pool
+        GNU OpenMP keeps for this thread grows to the largest count asked, and stays)."""
+        gomp().omp_set_num_threads(num_threads)
 
     def give_back(self) -> None:
         torch.set_num_threads(self.process_threads)

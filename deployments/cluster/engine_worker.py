@@ -22,6 +22,7 @@ import ray
 import torch
 
 from deployments import metrics
+from deployments.cluster.core_share import CoreShare, node_cores, share_dir
 from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
 from deployments.config import ServeConfig
@@ -81,6 +82,17 @@ class AbortMarks:
         return len(self._marks)
 
 
+def _node_core_share(worker_id: str, config: ServeConfig) -> CoreShare | None:
+    """This worker's share of its node's cores (deployments/cluster/core_share.py), or None where Ray
+    cannot say which node this is."""
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        ray_cpus = next((n["Resources"].get("CPU") for n in ray.nodes() if n.get("NodeID") == node_id), None)
+    except Exception:  # noqa: BLE001 - not in a Ray worker (tests that build one directly)
+        return None
+    return CoreShare(share_dir(node_id), worker_id, node_cores(ray_cpus), config.engine.num_threads or 1)
+
+
 class EngineWorker:
     """What both kinds of worker share: the engine, its step loop and lock, the KV importer, and the
     actor methods the router calls on any worker (info, ping, watch, abort, integrity check)."""
@@ -118,6 +130,8 @@ class EngineWorker:
         # The loop thread alone opens OpenMP teams (engine/thread_team.py): a second team, e.g. this
         # thread's from loading the model or a pool thread's from a KV copy, slowed every step 30%.
         self._team = thread_team.confine(self.engine.config.device, config.engine.num_threads)
+        self._share = _node_core_share(worker_id, config) if self._team and config.share_node_cores else None
+        self.max_step_threads = self._team.num_threads if self._team else 0  # the most a step has used
 
     def _start(self) -> None:
         """Subclasses call this last in __init__, once everything the loop touches exists."""
@@ -233,7 +247,7 @@ class EngineWorker:
             bm = self.engine.block_manager
             return {"num_used_blocks": bm.num_used_blocks, "num_free_blocks": bm.num_free_blocks,
                     "num_requests": len(self.requests), "num_steps": self.num_steps,
-                    "num_orphans": self.num_orphans,
+                    "num_orphans": self.num_orphans, "max_step_threads": self.max_step_threads,
                     "num_cached_tokens": self.engine.scheduler.num_cached_tokens}
 
     def shutdown(self) -> None:
@@ -283,9 +297,23 @@ class EngineWorker:
     def _loop(self) -> None:
         if self._team:
             self._team.own()
+        try:
+            self._steps()
+        finally:
+            if self._share:
+                self._share.close()
+
+    def _steps(self) -> None:
+        threads = self._team.num_threads if self._team else 0
         while self._alive:
             with self.lock:
                 busy = self.engine.has_unfinished_requests()
+            if self._share:
+                self._share.set_busy(busy)
+                if busy and (n := self._share.threads()) != threads:
+                    self._team.resize(n)
+                    threads = n
+                    self.max_step_threads = max(self.max_step_threads, n)
             if not busy:
                 self._idle()
                 with self.lock:

@@ -129,6 +129,23 @@ def test_a_client_gone_during_submit_aborts_its_request(cluster):
     assert _orphans(router) == before  # the abort did it
 
 
+def test_a_lone_busy_worker_steps_on_the_idle_pools_core_too(cluster):
+    """1 prefill + 1 decode worker of one thread each on 2 Ray CPUs (`share_node_cores`): a lone
+    request is prefilled while the decode pool idles and decoded while the prefill pool idles, and
+    each of those steps runs on both cores."""
+    router, backend = cluster
+
+    async def one() -> int:
+        n = 0
+        async for d in backend.generate("lone", [9] * 40, SamplingParams(max_tokens=8, ignore_eos=True)):
+            n += len(d.token_ids)
+        return n
+
+    assert asyncio.run(asyncio.wait_for(one(), 120)) == 8
+    reports = wait_no_leaks(router)
+    assert {w: r["max_step_threads"] for w, r in reports.items()} == {w: 2 for w in reports}
+
+
 def test_a_dead_decode_workers_channels_are_closed_by_its_peers(cluster):
     router, backend = cluster
 
