@@ -309,11 +309,15 @@ class EngineWorker:
             with self.lock:
                 busy = self.engine.has_unfinished_requests()
             if self._share:
+                newly_busy = busy and not self._share.busy
                 self._share.set_busy(busy)
-                if busy and (n := self._share.threads()) != threads:
-                    self._team.resize(n)
-                    threads = n
-                    self.max_step_threads = max(self.max_step_threads, n)
+                if busy:
+                    n = self._share.threads()
+                    self._share.claim(n, newly_busy)
+                    if n != threads:
+                        self._team.resize(n)
+                        threads = n
+                        self.max_step_threads = max(self.max_step_threads, n)
             if not busy:
                 self._idle()
                 with self.lock:

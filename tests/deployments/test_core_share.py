@@ -36,6 +36,29 @@ def test_busy_workers_split_the_cores_and_an_idle_one_gives_its_share(tmp_path, 
         third.close()
 
 
+def test_a_newly_busy_worker_waits_for_room_not_longer_than_its_bound(tmp_path, monkeypatch):
+    import time
+
+    monkeypatch.setattr(core_share, "RELIST_S", 0.0)
+    monkeypatch.setattr(core_share, "ROOM_WAIT_S", 0.3)
+    decode, prefill = CoreShare(tmp_path, "decode", cores=2, floor=1), CoreShare(tmp_path, "prefill", 2, 1)
+    try:
+        decode.set_busy(True)
+        decode.claim(decode.threads(), newly_busy=True)  # alone: both cores, no wait
+        prefill.set_busy(True)
+        t0 = time.monotonic()
+        prefill.claim(prefill.threads(), newly_busy=True)  # decode's step still holds both cores
+        waited = time.monotonic() - t0
+        assert 0.3 <= waited < 2.0
+        decode.claim(decode.threads(), newly_busy=False)  # decode's next step: its share, one core
+        t0 = time.monotonic()
+        prefill.claim(1, newly_busy=True)
+        assert time.monotonic() - t0 < 0.2  # room now
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def test_a_worker_that_died_busy_does_not_count(tmp_path, monkeypatch):
     monkeypatch.setattr(core_share, "RELIST_S", 0.0)
     code = ("import os, sys; from pathlib import Path; from deployments.cluster.core_share import CoreShare; "
