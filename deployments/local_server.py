@@ -22,7 +22,6 @@ The same app and backend serve the tests' in-process servers (tests/deployments/
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -30,8 +29,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from deployments.config import ServeConfig
     from engine import EngineConfig
-
-logger = logging.getLogger(__name__)
 
 # Server settings (beyond every engine setting) that the single-process layout honours; every other
 # one is about Ray's pools, routing, autoscaling or ingress replicas.

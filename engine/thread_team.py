@@ -59,7 +59,6 @@ def gomp() -> ctypes.CDLL | None:
         lib.omp_set_num_threads.argtypes = [ctypes.c_int]
         lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
         lib.omp_pause_resource_all.restype = ctypes.c_int
-        lib.omp_get_max_threads.restype = ctypes.c_int
         return lib
     except (OSError, AttributeError) as exc:
         logger.info("thread team: %s has no usable OpenMP API (%s)", path, exc)

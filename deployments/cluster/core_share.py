@@ -11,8 +11,9 @@ TTFT p50 at concurrency 8 was 1.38x that of a fixed split).
 
 How the workers see each other, with no Ray call and nothing to clean up after a crash: each holds an
 exclusive `flock` on a file of its own in a node-local directory while it has work, and writes there
-the threads it steps on; the others count the files whose lock they cannot take, and read them. A dead worker's lock goes with its process, so it never counts
-as busy. The directory is named after the Ray node, so only workers of one raylet share.
+the threads it steps on; the others count the files whose lock they cannot take, and read them. A
+dead worker's lock goes with its process, so it never counts as busy. The directory is named after
+the Ray node, so only workers of one raylet share.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class CoreShare:
         self.floor = max(1, floor)
         self._fd = os.open(directory / name, os.O_CREAT | os.O_RDWR, 0o600)
         self._busy = False
+        self._published = 0  # the threads written to this worker's file (0: none yet)
         self._peers: dict[str, int] = {}
         self._listed = float("-inf")
 
@@ -91,7 +93,9 @@ class CoreShare:
     def claim(self, threads: int, newly_busy: bool) -> None:
         """Say this worker's next step runs on `threads`; one that `newly_busy` got work first waits
         (up to ROOM_WAIT_S) until that many are free of the busy peers' threads."""
-        os.pwrite(self._fd, bytes([min(threads, 255)]), 0)
+        if threads != self._published:
+            os.pwrite(self._fd, bytes([min(threads, 255)]), 0)
+            self._published = threads
         if not newly_busy:
             return
         deadline = time.monotonic() + ROOM_WAIT_S
