@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Lease:
     handle: KVHandle
+    # The one receiver these blocks are for, when the grantor knows it (a copy it offers a named
+    # peer): the lease ends as soon as that peer is known gone (`release_peer`), not at expiry.
+    peer: str | None = None
     # NOTE: a lease being sent is never reaped: its blocks are read while the clock may pass expiry.
     num_transfers: int = 0
 
@@ -51,8 +54,9 @@ class LeaseTable:
             return request_id in self._leases
 
     def grant(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int,
-              lease_s: float | None = None) -> KVHandle:
-        """Lease `block_ids` (holding `num_tokens` tokens of KV) and return the handle to give out.
+              lease_s: float | None = None, peer: str | None = None) -> KVHandle:
+        """Lease `block_ids` (holding `num_tokens` tokens of KV) and return the handle to give out;
+        `peer`: the only receiver that may pull them (see `release_peer`).
 
         Granting a request again keeps its blocks and supersedes every older handle (new epoch).
         """
@@ -65,7 +69,7 @@ class LeaseTable:
             old = self._leases.get(request_id)
             if old is not None:
                 assert old.handle.block_ids == handle.block_ids, "a re-grant must cover the same blocks"
-            self._leases[request_id] = _Lease(handle, old.num_transfers if old else 0)
+            self._leases[request_id] = _Lease(handle, num_transfers=old.num_transfers if old else 0, peer=peer)
             return handle
 
     def _check(self, request_id: str, epoch: int, now: float) -> _Lease:
@@ -113,6 +117,18 @@ class LeaseTable:
             del self._leases[request_id]
         self._release(request_id)
         return True
+
+    def release_peer(self, peer: str) -> list[str]:
+        """End every lease granted for `peer` alone (it died or left): their blocks are freed now
+        rather than at expiry. A lease being sent is left to its transfer, which fails on its own."""
+        with self._lock:
+            gone = [rid for rid, lease in self._leases.items() if lease.peer == peer and lease.num_transfers == 0]
+            for rid in gone:
+                del self._leases[rid]
+        for rid in gone:
+            logger.info("%s: %s is gone; freeing the KV blocks leased to it for %s", self.worker_id, peer, rid)
+            self._release(rid)
+        return gone
 
     def reap_expired(self, now: float | None = None) -> list[str]:
         """Free every lease past its expiry that is not being sent; returns their request ids."""

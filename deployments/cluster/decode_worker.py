@@ -58,6 +58,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self._me = ray.get_runtime_context().current_actor  # the exporter a prefill worker pulls a copy from
         self.prefix_fetches = 0
         self.prefix_fetch_tokens = 0
+        self._backup_calls: list[tuple[Any, KVHandle]] = []  # `kv_backup` calls made, not yet seen to end
         self._reported = (0.0, -1, -1)  # (when, running, waiting) of the last report sent
         self._since_report = (0, 0)  # (largest batch, preemptions) of the steps not reported yet
         self._start()
@@ -136,7 +137,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         t0 = time.perf_counter()
         try:
             handle = ray.get(src.actor.kv_lease_prefix.remote(req.request_id, req.prompt_token_ids, src.num_tokens,
-                                                              req.cache_salt),
+                                                              req.cache_salt, self.worker_id),
                              timeout=timeout_s)
             if handle is None:
                 return []
@@ -182,6 +183,25 @@ class DecodeWorker(KVExportMixin, EngineWorker):
     def _idle(self) -> None:
         with self.lock:
             self._settle()
+        self._reap_backup_calls()
+
+    def _reap_backup_calls(self) -> None:
+        """A `kv_backup` call that ended without pulling its copy (its prefill worker died before the
+        router could tell us) ends the copy's lease: its blocks are freed now, not at expiry."""
+        calls = self._backup_calls
+        if not calls:
+            return
+        done, _ = ray.wait([ref for ref, _ in calls], num_returns=len(calls), timeout=0)
+        if not done:
+            return
+        done = set(done)
+        self._backup_calls = [(ref, h) for ref, h in calls if ref not in done]
+        for ref, handle in calls:
+            if ref in done:
+                try:
+                    ray.get(ref, timeout=0)
+                except Exception:  # noqa: BLE001 - the target is gone: nobody will pull the copy
+                    self.kv_exporter.release(handle.request_id, handle.epoch)
 
     def _start_backup(self, req: GenRequest, out: RequestOutput) -> _Backup | None:
         """The prompt of `req` is computed: pin its full blocks past the ones the prefill worker has
@@ -192,7 +212,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         block_ids = self.engine.pin_computed_blocks(req.request_id, len(req.prompt_token_ids), target.first_block)
         if not block_ids:
             return None
-        handle = self._grant_pinned(f"{req.request_id}@kv-backup-{next(self._lease_ids)}", block_ids)
+        handle = self._grant_pinned(f"{req.request_id}@kv-backup-{next(self._lease_ids)}", block_ids,
+                                    peer=target.worker_id)
         end = (target.first_block + len(block_ids)) * self.engine.block_manager.block_size
         return _Backup(target, handle, req.request_id, req.prompt_token_ids[:end], req.cache_salt)
 
@@ -228,8 +249,10 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self._push(events, reqs)
         for b in backups:
             if b is not None:
-                b.target.actor.kv_backup.remote(b.handle, self._me, b.request_id, b.token_ids, b.target.first_block,
-                                                b.cache_salt)
+                ref = b.target.actor.kv_backup.remote(b.handle, self._me, b.request_id, b.token_ids,
+                                                      b.target.first_block, b.cache_salt)
+                self._backup_calls.append((ref, b.handle))
+        self._reap_backup_calls()
         batch, preempted = self._since_report
         batch, preempted = max(batch, stats.num_seqs), preempted + stats.num_preempted
         now = time.monotonic()

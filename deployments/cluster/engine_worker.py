@@ -288,11 +288,12 @@ class EngineWorker:
         if self._pinned:
             self.kv_exporter.reap_expired()
 
-    def _grant_pinned(self, lease_id: str, block_ids: list[int]) -> KVHandle:
-        """Lease full blocks this worker holds a reference on; `_free_lease` drops it when the lease ends."""
+    def _grant_pinned(self, lease_id: str, block_ids: list[int], peer: str | None = None) -> KVHandle:
+        """Lease full blocks this worker holds a reference on, for worker `peer` to pull; `_free_lease`
+        drops it when the lease ends (the peer's ack, its death, or expiry)."""
         self._pinned[lease_id] = block_ids
         bs = self.engine.block_manager.block_size
-        return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs)
+        return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs, peer=peer)
 
     def _loop(self) -> None:
         if self._team:

@@ -114,9 +114,11 @@ class KVExporter:
         assert output.finish_reason == "prefilled" and output.block_ids is not None, output.finish_reason
         return self.leases.grant(output.request_id, output.block_ids, num_prompt_tokens, output.token_ids[0], lease_s)
 
-    def grant_blocks(self, lease_id: str, block_ids: list[int], num_tokens: int, lease_s: float | None = None) -> KVHandle:
-        """Lease blocks the caller holds a reference on (`free(lease_id)` drops it when the lease ends)."""
-        return self.leases.grant(lease_id, block_ids, num_tokens, -1, lease_s)
+    def grant_blocks(self, lease_id: str, block_ids: list[int], num_tokens: int, lease_s: float | None = None,
+                     peer: str | None = None) -> KVHandle:
+        """Lease blocks the caller holds a reference on (`free(lease_id)` drops it when the lease ends);
+        `peer`: the worker they are for, whose death (`forget`) ends the lease at once."""
+        return self.leases.grant(lease_id, block_ids, num_tokens, -1, lease_s, peer)
 
     def open_channel(self, peer_id: str, peer_device: str | None = None) -> Any:
         """Host a fresh channel to decode worker `peer_id`, whose KV cache is on device `peer_device`
@@ -142,8 +144,10 @@ class KVExporter:
                 "num_leases": len(self.leases)}
 
     def forget(self, peer_id: str) -> None:
-        """`peer_id` is dead or drained: close the channel to it (and its sockets)."""
+        """`peer_id` is dead or drained: close the channel to it (and its sockets), and free the blocks
+        leased to it alone (a copy it was to pull)."""
         self.transport.drop(peer_id)
+        self.leases.release_peer(peer_id)
 
     def close(self) -> None:
         self.transport.close()

@@ -63,17 +63,17 @@ class PrefillWorker(KVExportMixin, EngineWorker):
         return n
 
     def kv_lease_prefix(self, request_id: str, token_ids: list[int], max_tokens: int,
-                        cache_salt: str | None = None) -> KVHandle | None:
+                        cache_salt: str | None = None, peer_id: str | None = None) -> KVHandle | None:
         """Lease the cached blocks of the longest cached prefix of `token_ids` (at most `max_tokens`
-        tokens) for a decode worker to pull: a moved sequence resumes there and recomputes only the
-        rest (`DecodeWorker.resume`). Does not wait for the step under way. None if nothing is cached."""
+        tokens) for decode worker `peer_id` to pull: a moved sequence resumes there and recomputes only
+        the rest (`DecodeWorker.resume`). Does not wait for the step under way. None if nothing is cached."""
         try:
             block_ids = self._on_blocks(lambda: self.engine.take_cached_blocks(token_ids, max_tokens, cache_salt))
         except TimeoutError:
             return None
         if not block_ids:
             return None
-        return self._grant_pinned(f"{request_id}@kv-prefix-{next(self._lease_ids)}", block_ids)
+        return self._grant_pinned(f"{request_id}@kv-prefix-{next(self._lease_ids)}", block_ids, peer=peer_id)
 
     def add(self, req: GenRequest) -> None:
         try:

@@ -178,17 +178,29 @@ def _cached_tokens(router, but: str = "") -> int:
     return sum(u["num_cached_tokens"] for wid, u in use.items() if wid != but)
 
 
-def test_prefill_worker_dies_requests_retried(cluster, long_prompts):
+def test_prefill_worker_dies_requests_retried(cluster, engine):
+    # Prompts no earlier test sent: cached prompts prefill in a moment, and a fixed delay before the
+    # kill then found no prefill in flight (flaky in CI). The killer waits until the router has
+    # prompt tokens queued on a prefill worker, and kills that worker.
     router, hub = cluster
-    ids, want = long_prompts
+    ids = [engine.apply_chat_template([{"role": "user", "content": f"Retry {i}. " + p * 20}])
+           for i, p in enumerate(PROMPTS)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    want = [o.token_ids for o in run_offline(engine, ids, params)]
     backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
     before = ray.get(router.stats.remote())["counters"]
 
     async def go():
         async def killer(progress):
-            await asyncio.sleep(0.3)  # prefills are under way, none finished yet
-            workers = await router.workers.remote()
-            ray.kill(workers[sorted(w for w in workers if "prefill" in w)[0]])
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                queued = {w: v["queued_prompt_tokens"] for w, v in (await router.stats.remote())["prefill"].items()}
+                busy = max(queued, key=queued.get, default=None)
+                if busy is not None and queued[busy] > 0:
+                    ray.kill((await router.workers.remote())[busy])
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("no prompt was ever queued on a prefill worker")
         return await _run_all(backend, ids, killer)
 
     got, _ = asyncio.run(go())

@@ -75,3 +75,20 @@ def test_release_all():
     t.grant("a", [0], 1, 1)
     t.grant("b", [1], 1, 1)
     assert sorted(t.release_all()) == ["a", "b"] and sorted(released) == ["a", "b"] and len(t) == 0
+
+
+def test_a_gone_peer_ends_the_leases_granted_for_it_alone():
+    # A copy leased to one named worker (a KV backup, a cached prefix) is freed when that worker is
+    # gone, not at expiry; leases for anyone, for other peers, or being sent stay.
+    t, released, _ = _table()
+    t.grant("open", [0], 1, 1)
+    t.grant("mine", [1], 1, 1, peer="d0")
+    other = t.grant("theirs", [2], 1, 1, peer="d1")
+    sending = t.grant("sending", [3], 1, 1, peer="d0")
+    t.begin_transfer("sending", sending.epoch)
+    regrant = t.grant("mine", [1], 1, 1, peer="d0")  # a re-grant keeps its peer and supersedes the old
+    assert t.release_peer("d0") == ["mine"] and released == ["mine"]
+    assert "mine" not in t and not t.release("mine", regrant.epoch)
+    assert t.validate("theirs", other.epoch) == other and "open" in t and "sending" in t
+    t.end_transfer("sending")
+    assert t.release_peer("d0") == ["sending"] and released == ["mine", "sending"]
