@@ -193,7 +193,10 @@ class GlooChannel(Channel):
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
-                pg.abort()  # wakes any thread still blocked on this group
+                # NOTE: on torch 2.13 this does not wake a thread blocked in a receive on this group
+                # (it waits out its timeout); a peer that died wakes it within about a second, when
+                # its socket closes. A wait cannot be cut into slices: gloo closes the pair on timeout.
+                pg.abort()
             except Exception:  # already torn down by the peer
                 logger.debug("abort of gloo channel to %s failed", self.peer, exc_info=True)
         # NOTE: the group's device socket closes once the last reference to the group goes (the one
