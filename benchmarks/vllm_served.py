@@ -54,7 +54,7 @@ from benchmarks.common import MODEL_NAME, engine_http_server, fmt, free_port, pr
 from deployments.bench_cli import BenchConfig, run_benchmark  # noqa: E402
 
 # "pdserve" and "pdserve-disagg" run as shipped: the dtype `pdserve serve` picks on this host (bfloat16
-# on a CPU with AMX, else float32); "offline" steps the engine in that same dtype; "-fp32" / "-bf16"
+# on a CPU with AMX or AVX512-BF16, else float32); "offline" steps the engine in that same dtype; "-fp32" / "-bf16"
 # name one. "vllm" serves fp32 (the engine's exact-match precision); "vllm-bf16" serves bfloat16,
 # vLLM's own choice for this model (its checkpoint's dtype). "pdserve-ray" is the Ray colocated
 # layout (`--layout ray`), which `pdserve serve` picks on hosts of more than 4 cores;

@@ -148,30 +148,36 @@ LAYOUT_SETTINGS = frozenset({"num_prefill_workers", "num_decode_workers", "num_t
 
 
 class Hardware(NamedTuple):
-    """What `pdserve serve` serves on: CPU cores per node, GPUs in all, nodes, and whether the CPU
-    multiplies bf16 matrices in hardware (AMX)."""
+    """What `pdserve serve` serves on: CPU cores per node, GPUs in all, nodes, and the CPU's instructions
+    that multiply bf16 matrices in hardware ("AMX", "AVX512-BF16"; "" for none)."""
 
     cpus: int
     gpus: int
     nodes: int = 1
-    cpu_amx_bf16: bool = False
+    cpu_bf16: str = ""
 
 
-def cpu_amx_bf16() -> bool:
-    """Whether this CPU has AMX with bf16 tiles (Linux: the `amx_bf16` flag in /proc/cpuinfo)."""
+# /proc/cpuinfo flag -> the name printed; the first found wins. AMX tiles: 4-6x fp32's rate at
+# SmolLM2's shapes; AVX512-BF16 dot products (Zen 4, Cooper Lake): 2.0-2.3x (README "Choosing a layout").
+BF16_FLAGS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"))
+
+
+def cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The instructions this CPU multiplies bf16 matrices with ("" for none; Linux: its cpuinfo flags)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " amx_bf16" in line for line in f)
+        with open(cpuinfo) as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
     except OSError:
-        return False
+        return ""
+    return next((name for flag, name in BF16_FLAGS if flag in flags), "")
 
 
 def local_hardware() -> Hardware:
-    """This host: the cores this process may run on, its CUDA devices, and AMX."""
+    """This host: the cores this process may run on, its CUDA devices, and its bf16 instructions."""
     import torch
 
     return Hardware(len(os.sched_getaffinity(0)), torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                    cpu_amx_bf16=cpu_amx_bf16())
+                    cpu_bf16=cpu_bf16())
 
 
 def cluster_hardware() -> Hardware:
@@ -248,10 +254,10 @@ def _hardware_text(hw: Hardware) -> str:
 
 
 def pick_dtype(hw: Hardware, device: str) -> str | None:
-    """The dtype `pdserve serve` picks when none is given: bfloat16 on a CPU with AMX, whose bf16
-    matrix products run several times faster than fp32 ones (README "Choosing a layout"); else None,
-    the engine's `auto` (bfloat16 on CUDA, float32 on other CPUs, where bf16 math is not faster)."""
-    return "bfloat16" if not device.startswith("cuda") and hw.cpu_amx_bf16 else None
+    """The dtype `pdserve serve` picks when none is given: bfloat16 on a CPU that multiplies bf16
+    matrices in hardware (AMX, AVX512-BF16), 2-6x faster than fp32 ones (README "Choosing a layout");
+    else None, the engine's `auto` (bfloat16 on CUDA, float32 on other CPUs, which emulate bf16)."""
+    return "bfloat16" if not device.startswith("cuda") and hw.cpu_bf16 else None
 
 
 def with_layout(settings: dict[str, Any], hw: Hardware) -> dict[str, Any]:
@@ -272,8 +278,8 @@ def with_layout(settings: dict[str, Any], hw: Hardware) -> dict[str, Any]:
 
 def _with_dtype(out: dict[str, Any], given: dict[str, Any], hw: Hardware) -> dict[str, Any]:
     if "dtype" not in given and (dtype := pick_dtype(hw, str(out.get("device", "cpu")))):
-        print(f"pdserve: dtype {dtype} (this CPU multiplies bf16 matrices in hardware, AMX); --dtype float32 "
-              "computes in full precision, as transformers' own fp32 generate does", flush=True)
+        print(f"pdserve: dtype {dtype} (this CPU multiplies bf16 matrices in hardware, {hw.cpu_bf16}); --dtype "
+              "float32 computes in full precision, as transformers' own fp32 generate does", flush=True)
         out["dtype"] = dtype
     return out
 

@@ -50,7 +50,7 @@ class EngineConfig:
     gguf_file: str | None = setting(None, "not read yet: name the .gguf file in `model` itself", cli=False)
     dtype: str = setting("auto", "model weights and math: auto (bfloat16 on CUDA, float32 on CPU), float32, "
                                  "bfloat16 or float16",
-                         doc="`pdserve serve` given no dtype picks bfloat16 on a CPU with AMX (see Choosing a layout)")
+                         doc="`pdserve serve` given no dtype picks bfloat16 on a CPU with AMX or AVX512-BF16 (see Choosing a layout)")
     kv_cache_dtype: str = setting(
         "auto", "the KV cache's element type: auto (the model's dtype), float32, bfloat16, float16 or fp8_e5m2; "
                 "narrower holds more tokens and decodes faster, rounding K and V",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deployments.config import ServeConfig
-from deployments.serve_cli import Hardware, pick_layout, with_layout
+from deployments.serve_cli import Hardware, cpu_bf16, pick_layout, with_layout
 
 
 def test_a_cpu_host_gets_one_colocated_worker_with_a_thread_per_core(capsys):
@@ -44,19 +44,29 @@ def test_device_cpu_on_a_gpu_host_picks_the_cpu_layout():
     assert settings["num_prefill_workers"] == 0 and settings["num_threads"] == 4 and settings["device"] == "cpu"
 
 
-def test_a_cpu_with_amx_serves_in_bfloat16_unless_told(capsys):
-    """bf16 matrix products run in hardware there (several times fp32's rate); `--dtype` decides otherwise."""
-    amx = Hardware(cpus=2, gpus=0, cpu_amx_bf16=True)
-    cfg = ServeConfig.from_dict(with_layout({}, amx))
+@pytest.mark.parametrize("bf16", ["AMX", "AVX512-BF16"])
+def test_a_cpu_that_multiplies_bf16_in_hardware_serves_in_bfloat16_unless_told(capsys, bf16):
+    """bf16 matrix products run in hardware there (2-6x fp32's rate); `--dtype` decides otherwise."""
+    hw = Hardware(cpus=2, gpus=0, cpu_bf16=bf16)
+    cfg = ServeConfig.from_dict(with_layout({}, hw))
     assert cfg.engine.dtype == "bfloat16" and cfg.colocated
-    assert "dtype bfloat16" in capsys.readouterr().out
-    assert ServeConfig.from_dict(with_layout({"dtype": "float32"}, amx)).engine.dtype == "float32"
+    assert f"dtype bfloat16 (this CPU multiplies bf16 matrices in hardware, {bf16})" in capsys.readouterr().out
+    assert ServeConfig.from_dict(with_layout({"dtype": "float32"}, hw)).engine.dtype == "float32"
     # A layout flag keeps the layout as given; the dtype is picked all the same.
-    assert with_layout({"num_prefill_workers": 1}, amx) == {"num_prefill_workers": 1, "dtype": "bfloat16"}
+    assert with_layout({"num_prefill_workers": 1}, hw) == {"num_prefill_workers": 1, "dtype": "bfloat16"}
 
 
-def test_without_amx_or_on_a_gpu_the_dtype_is_the_engines_auto(capsys):
+def test_cpu_flags_name_the_bf16_instructions(tmp_path):
+    def flags(line):
+        (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {line}\n")
+        return cpu_bf16(str(tmp_path / "cpuinfo"))
+    assert flags("fpu sse avx2 avx512f avx512_bf16 amx_bf16 amx_tile") == "AMX"
+    assert flags("fpu sse avx2 avx512f avx512_bf16") == "AVX512-BF16"
+    assert flags("fpu sse avx2 avx512f avx512_vnni") == ""  # bf16 only emulated: slower than fp32
+
+
+def test_without_bf16_hardware_or_on_a_gpu_the_dtype_is_the_engines_auto(capsys):
     assert "dtype" not in with_layout({}, Hardware(cpus=2, gpus=0))  # fp32: bf16 math is no faster there
-    gpu = ServeConfig.from_dict(with_layout({}, Hardware(cpus=16, gpus=1, cpu_amx_bf16=True)))
+    gpu = ServeConfig.from_dict(with_layout({}, Hardware(cpus=16, gpus=1, cpu_bf16="AMX")))
     assert gpu.engine.device == "cuda" and gpu.engine.dtype == "bfloat16"  # auto on CUDA
     assert "dtype bfloat16 (this CPU" not in capsys.readouterr().out

@@ -52,7 +52,7 @@ def test_auto_picks_single_on_a_small_cpu_host_only_when_nothing_needs_ray(capsy
     assert not picks_single_process(LaunchOptions(layout="ray"), {}, Hardware(2, 0))
     assert picks_single_process(LaunchOptions(layout="single"), {}, Hardware(cpus=64, gpus=0))
 
-    settings = with_single_process({}, Hardware(cpus=2, gpus=0, cpu_amx_bf16=True), picked=True)
+    settings = with_single_process({}, Hardware(cpus=2, gpus=0, cpu_bf16="AMX"), picked=True)
     cfg = ServeConfig.from_dict(settings)
     assert cfg.engine.num_threads == 2 and cfg.engine.dtype == "bfloat16"
     out = capsys.readouterr().out
