@@ -269,6 +269,8 @@ class TestColocated:
         got = asyncio.run(run())
         assert got == want + want
         stats = ray.get(router.stats.remote())
-        spec = [d["speculation"] for d in stats["decode"].values()]
-        assert all(s is not None and s["method"] == "suffix" for s in spec), spec
+        # Every worker that decoded reports its speculation. The router may place all of these
+        # prompts on one worker (they share a cached prefix): one that never stepped has no report.
+        spec = [d["speculation"] for d in stats["decode"].values() if d["num_steps"]]
+        assert spec and all(s is not None and s["method"] == "suffix" for s in spec), stats["decode"]
         wait_no_leaks(router, timeout_s=30)
