@@ -112,12 +112,18 @@ def test_decode_worker_dies_streams_resume_identically(cluster, reference):
     wait_no_leaks(router)
 
 
-@pytest.fixture(scope="module")
-def long_prompts(engine):
-    """Six ~250-token prompts (a prefill step of seconds on one CPU thread) and their greedy outputs."""
-    ids = [engine.apply_chat_template([{"role": "user", "content": p * 20}]) for p in PROMPTS]
+def _long_prompts(engine, tag: str = ""):
+    """Six ~250-token prompts (a prefill step of seconds on one CPU thread), each starting with
+    `tag` + its number when given, and their greedy outputs."""
+    ids = [engine.apply_chat_template([{"role": "user", "content": (f"{tag} {i}. " if tag else "") + p * 20}])
+           for i, p in enumerate(PROMPTS)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     return ids, [o.token_ids for o in run_offline(engine, ids, params)]
+
+
+@pytest.fixture(scope="module")
+def long_prompts(engine):
+    return _long_prompts(engine)
 
 
 def test_prefill_backlog_spills_onto_decode_workers(cluster, long_prompts):
@@ -183,10 +189,7 @@ def test_prefill_worker_dies_requests_retried(cluster, engine):
     # kill then found no prefill in flight (flaky in CI). The killer waits until the router has
     # prompt tokens queued on a prefill worker, and kills that worker.
     router, hub = cluster
-    ids = [engine.apply_chat_template([{"role": "user", "content": f"Retry {i}. " + p * 20}])
-           for i, p in enumerate(PROMPTS)]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in run_offline(engine, ids, params)]
+    ids, want = _long_prompts(engine, tag="Retry")
     backend = RouterBackend(router, hub, "hub-test", request_timeout_s=120)
     before = ray.get(router.stats.remote())["counters"]
 

@@ -86,7 +86,7 @@ def test_a_gone_peer_ends_the_leases_granted_for_it_alone():
     other = t.grant("theirs", [2], 1, 1, peer="d1")
     sending = t.grant("sending", [3], 1, 1, peer="d0")
     t.begin_transfer("sending", sending.epoch)
-    regrant = t.grant("mine", [1], 1, 1, peer="d0")  # a re-grant keeps its peer and supersedes the old
+    regrant = t.grant("mine", [1], 1, 1, peer="d0")  # a re-grant for the same peer supersedes the old
     assert t.release_peer("d0") == ["mine"] and released == ["mine"]
     assert "mine" not in t and not t.release("mine", regrant.epoch)
     assert t.validate("theirs", other.epoch) == other and "open" in t and "sending" in t
