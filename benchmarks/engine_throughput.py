@@ -243,9 +243,9 @@ def linear_only_step_s(runner, batch: int, reps: int = 5) -> float:
 
     def once():
         for li in range(runner.num_layers):
-            runner._lin_qkv[li](x), runner._lin_o[li](xo)
-            runner._lin_gate_up[li](x), runner._lin_down[li](xi)
-        runner._lin_head(x)
+            runner.model.lin_qkv[li](x), runner.model.lin_o[li](xo)
+            runner.model.lin_gate_up[li](x), runner.model.lin_down[li](xi)
+        runner.model.lin_head(x)
 
     return best_of(once, reps)
 

@@ -68,10 +68,30 @@ class EngineConfig:
     # Either a fixed number of KV blocks or a memory budget for the KV cache.
     num_kv_blocks: int | None = setting(None, "KV pool size as a block count; overrides kv_cache_memory_mb",
                                         default_doc="from kv_cache_memory_mb", cli=False)
-    kv_cache_memory_mb: int = setting(
-        2048, "KV pool per engine in MiB, allocated and zeroed up front",
+    kv_cache_memory_mb: int | None = setting(
+        None, "KV pool per engine in MiB, allocated and zeroed up front",
         doc="SmolLM2 fp32 needs 46 KB per token, so 2048 MiB holds ~44k tokens; too small a pool shows up as "
-            "preemptions and small decode batches")
+            "preemptions and small decode batches. On CUDA, leave it unset to size the pool from "
+            "`gpu_memory_utilization`",
+        default_doc="2048 on a CPU; on CUDA, what `gpu_memory_utilization` leaves")
+    gpu_memory_utilization: float = setting(
+        0.9, "CUDA: the fraction of the GPU's memory this engine may use (weights, activations, KV pool); the "
+             "KV pool gets what is left (unless kv_cache_memory_mb or num_kv_blocks is set)",
+        doc="As vLLM's `--gpu-memory-utilization`: the pool is `total x fraction`, less what is already in use on "
+            "the device when the engine starts (its weights, other processes), less a reserve for one step's "
+            "activations at `max_num_batched_tokens` and the CUDA graphs. Two engines on one GPU (a prefill and "
+            "a decode worker) should each get a share that sums to at most 0.9")
+    ops_backend: str = setting(
+        "auto", "the per-token ops and attention: auto, torch (reference), cpu (C kernels) or triton (GPU)",
+        doc="`auto`: Triton kernels on CUDA (one paged attention launch per layer for prefill, decode and "
+            "speculative rows; fused add+RMSNorm, RoPE with the KV store, SiLU x mul), the compiled C kernels "
+            "on a CPU computing in float32 (or bfloat16 matmuls over float32), the torch reference elsewhere. "
+            "`PDSERVE_OPS_BACKEND` overrides it (tests)", cli=False)
+    cuda_graphs: bool = setting(
+        True, "CUDA + Triton: replay decode and speculative-verify steps from CUDA graphs (off: every step eager, "
+              "as vLLM's --enforce-eager)",
+        doc="Graphs are captured on first use at padded batch sizes 1, 2, 4, then steps of 8 up to "
+            "`max_num_seqs` (one memory pool); steps with a prefill chunk or prompt logprobs run eagerly")
     max_num_seqs: int = setting(64, "most sequences in one step (and the batch size of static/dynamic batching)")
     max_num_batched_tokens: int = setting(1024, "token budget per step (prefill chunks + decode tokens)")
     enable_chunked_prefill: bool = setting(True, "split long prompts across steps within the token budget")
@@ -131,9 +151,16 @@ class EngineConfig:
             raise EngineConfigError(
                 f"batching={self.batching!r} is not a policy; choose one of {', '.join(BATCHING_POLICIES)}"
             )
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_mb"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
+            raise EngineConfigError(f"kv_cache_memory_mb must be > 0 (or None), got {self.kv_cache_memory_mb}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        from engine.ops import OPS_BACKENDS
+        if self.ops_backend not in OPS_BACKENDS:
+            raise EngineConfigError(f"ops_backend={self.ops_backend!r}: choose one of {', '.join(OPS_BACKENDS)}")
         if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step <= 0:
             raise EngineConfigError(f"max_prefill_tokens_per_step must be > 0 (or None), got {self.max_prefill_tokens_per_step}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

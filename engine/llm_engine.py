@@ -15,6 +15,7 @@ from engine.errors import InvalidRequestError, PromptTooLongError
 from engine.host_memory import keep_freed_memory
 from engine.logprobs import attach_logprobs, record_prompt_logprobs
 from engine.model_loader import load_model_and_tokenizer
+from engine.kv_pool import kv_pool_blocks
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, extend_block_keys
 from engine.sampler import SampleResult, sample
@@ -79,21 +80,21 @@ class LLMEngine:
             config.model, "float32" if matmul_dtype else config.dtype, config.device, config.cache_dir)
         hf_cfg = self.hf_model.config
         kv_dtype = getattr(torch, kv_cache_torch_dtype(config.kv_cache_dtype, config.dtype))
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            block_bytes = ModelRunner.kv_block_bytes(hf_cfg, config.block_size, kv_dtype)
-            num_blocks = max(1, config.kv_cache_memory_mb * 2**20 // block_bytes)
+        block_bytes = ModelRunner.kv_block_bytes(hf_cfg, config.block_size, kv_dtype)
+        num_blocks = kv_pool_blocks(config, hf_cfg, block_bytes, next(self.hf_model.parameters()).dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.device, kv_dtype,
-                                  matmul_dtype)
         limits = [hf_cfg.max_position_embeddings, num_blocks * config.block_size]
         if config.max_model_len:
             limits.append(config.max_model_len)
         window = getattr(hf_cfg, "sliding_window", None)
         if window and getattr(hf_cfg, "use_sliding_window", True):
             limits.append(window)  # no sliding-window attention yet: stay inside the window
+        num_spec = config.num_speculative_tokens if config.speculative_method != "off" else 0
+        self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.device, kv_dtype,
+                                  matmul_dtype, ops_backend=config.ops_backend, cuda_graphs=config.cuda_graphs,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=min(limits),
+                                  num_speculative_tokens=num_spec)
         self.max_model_len = min(limits)
         eos = set()
         for src in (self.hf_model.generation_config.eos_token_id, self.tokenizer.eos_token_id):

@@ -24,7 +24,7 @@ def test_bf16_on_cpu_multiplies_in_bf16_over_fp32_activations(tiny_model_dir):
     assert engine.config.dtype == "bfloat16"
     assert runner.dtype == torch.float32 and runner.matmul_dtype == torch.bfloat16
     assert runner.kv_cache.dtype == torch.bfloat16  # kv_cache_dtype auto: the model's dtype
-    for lin in (runner._lin_qkv[0], runner._lin_head):  # the products read bf16 weights, and no fp32 copy
+    for lin in (runner.model.lin_qkv[0], runner.model.lin_head):  # the products read bf16 weights, and no fp32 copy
         assert lin.matmul_dtype == torch.bfloat16
         assert (lin.packed if lin.packed is not None else lin.weight).dtype == torch.bfloat16
     out = run_offline(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
@@ -33,7 +33,7 @@ def test_bf16_on_cpu_multiplies_in_bf16_over_fp32_activations(tiny_model_dir):
     assert engine.block_manager.num_used_blocks == 0
     # fp32 stays what it was: no bf16 anywhere.
     fp32 = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_kv_blocks=64)).runner
-    assert fp32.matmul_dtype is None and fp32._lin_qkv[0].weight.dtype == torch.float32
+    assert fp32.matmul_dtype is None and fp32.model.lin_qkv[0].weight.dtype == torch.float32
 
 
 def test_bf16_on_cpu_mostly_agrees_with_transformers_fp32():

@@ -218,6 +218,7 @@ def test_fused_ops_match_hf(tiny_model_dir, model_type, fused):
     engine = LLMEngine(EngineConfig(model=tiny_model_dir(model_type), num_kv_blocks=128, block_size=4))
     if fused and not engine.runner.fused_ops:
         pytest.skip("the CPU kernels did not build here")
-    assert engine.runner._fuse_norm and engine.runner._fuse_rope and engine.runner._fuse_silu
+    m = engine.runner.model
+    assert m.plain_norms and m.fuse_silu and not hasattr(m.layers[0].self_attn, "q_norm")
     engine.runner.fused_ops = fused
     check_against_hf(engine, make_prompts(10, engine.vocab_size, seed=7))
