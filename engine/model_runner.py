@@ -8,6 +8,7 @@ reference elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 from typing import NamedTuple
@@ -83,6 +84,9 @@ class ModelRunner:
         # A layer's view `kv_cache[:, layer, k|v]` strides over whole blocks.
         self.kv_cache = zeroed_kv_cache(
             (num_blocks, self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim), self.kv_dtype, self.device)
+        # CUDA: the stream every step runs on, handed to the KV transport explicitly (transfers order
+        # against it by events); None on a CPU.
+        self.compute_stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         self.workspace = KVWorkspace()  # gathered KV blocks land here (torch/cpu backends' prefill and buckets)
         self.ops = make_ops(ops_backend, self.device, self.dtype, self.kv_dtype)
         if self.ops.name == "cpu":  # the attention specialised for this shape, compiled now, not at the first step
@@ -182,6 +186,10 @@ class ModelRunner:
 
         NOTE: reads the scheduled requests and the KV cache only; it must never call the block manager
         (a worker runs block-manager calls from other threads while this runs: `LLMEngine.step`)."""
+        with torch.cuda.stream(self.compute_stream) if self.compute_stream is not None else contextlib.nullcontext():
+            return self._run(sched)
+
+    def _run(self, sched: SchedulerOutput) -> StepLogits:
         hs = self.host_inputs(sched)
         if self.graphs is not None:
             logits = self.graphs.try_run(hs)

@@ -81,9 +81,10 @@ class DeviceTransport(Transport):
 
     `host` is this node's address as peers reach it (gloo binds there; NCCL ignores it)."""
 
-    def __init__(self, device: torch.device | str, host: str, timeout_s: float = 30.0):
+    def __init__(self, device: torch.device | str, host: str, timeout_s: float = 30.0, compute_stream=None):
         super().__init__()
         self.device = torch.device(device)
+        self.compute_stream = compute_stream  # CUDA: the engine's stream, which transfers order against
         choose_transport(self.device.type, None, None)  # refuses a device type no backend serves
         self.host, self.timeout_s = host, timeout_s
         self.device_id = device_id(self.device)
@@ -94,9 +95,11 @@ class DeviceTransport(Transport):
         with self._lock:
             if kind not in self._backends:
                 self._backends[kind] = {TransportKind.GLOO: lambda: GlooTransport(self.host, self.timeout_s),
-                                        TransportKind.NCCL: lambda: NcclTransport(self.device, self.timeout_s),
+                                        TransportKind.NCCL: lambda: NcclTransport(self.device, self.timeout_s,
+                                                                                self.compute_stream),
                                         TransportKind.STAGED: lambda: StagedTransport(self.host, self.device,
-                                                                                      self.timeout_s)}[kind]()
+                                                                                      self.timeout_s,
+                                                                                      self.compute_stream)}[kind]()
             return self._backends[kind]
 
     def _local(self, wire: str) -> TransportKind:
@@ -150,7 +153,10 @@ class DeviceTransport(Transport):
             b.close()
 
 
-def make_transport(device: torch.device | str, host: str, timeout_s: float = 30.0) -> DeviceTransport:
+def make_transport(device: torch.device | str, host: str, timeout_s: float = 30.0,
+                   compute_stream=None) -> DeviceTransport:
     """The transport of a KV cache on `device` (`DeviceTransport`: gloo on CPU; NCCL, or staged gloo
-    for a peer on the same GPU, on CUDA)."""
-    return DeviceTransport(device, host, timeout_s)
+    for a peer on the same GPU, on CUDA). `compute_stream`: the engine's CUDA stream (its runner's
+    `compute_stream`); transfers are ordered against it explicitly, not against whatever stream is
+    current in the thread that posts them."""
+    return DeviceTransport(device, host, timeout_s, compute_stream)

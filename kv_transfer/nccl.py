@@ -110,7 +110,7 @@ class _NcclPending:
                 self.channel.close()
                 raise TransferTimeoutError(f"nccl transfer with {self.channel.peer!r} took over {timeout_s:.1f}s")
             time.sleep(0.0002)
-        torch.cuda.current_stream(self.channel.device).wait_event(self.done)
+        self.channel.caller_stream().wait_event(self.done)
         if self.host_out is not None and self.pinned is not self.host_out:
             self.host_out.copy_(self.pinned)
 
@@ -121,9 +121,11 @@ class NcclChannel(Channel):
 
     serial = True  # one stream: a posted receive blocks the sends queued after it
 
-    def __init__(self, peer: str, rank: int, device: torch.device, timeout_s: float, world_size: int = 2):
+    def __init__(self, peer: str, rank: int, device: torch.device, timeout_s: float, world_size: int = 2,
+                 compute_stream: torch.cuda.Stream | None = None):
         super().__init__(peer)
         self.rank, self.device, self.timeout_s, self.world_size = rank, device, timeout_s, world_size
+        self.compute_stream = compute_stream
         self.peer_rank = (rank + 1) % world_size
         self.stream = torch.cuda.Stream(device)
         self.comm = None
@@ -155,6 +157,11 @@ class NcclChannel(Channel):
             raise PeerDiedError(f"nccl channel to {self.peer!r}: {self._error or 'closed'!r}")
         return self.comm
 
+    def caller_stream(self) -> torch.cuda.Stream:
+        """The stream the engine computes on (given explicitly: the engine may not run on the current
+        stream of the thread that posts a transfer); the current one when none was given."""
+        return self.compute_stream or torch.cuda.current_stream(self.device)
+
     def _stage(self, tensor: torch.Tensor, send: bool,
                caller: torch.cuda.Stream) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The GPU tensor NCCL moves for `tensor`, and the pinned host buffer of a host tensor. Runs
@@ -180,7 +187,7 @@ class NcclChannel(Channel):
     def _op(self, tensor: torch.Tensor, send: bool) -> Pending:
         comm = self._communicator()
         nccl = _nccl()
-        caller = torch.cuda.current_stream(self.device)
+        caller = self.caller_stream()
         with torch.cuda.stream(self.stream):
             buf, pinned = self._stage(tensor, send, caller)
             try:
@@ -215,26 +222,30 @@ class NcclChannel(Channel):
 class NcclTransport(Transport):
     """NCCL channels on one CUDA device. Rank 0 (the exporter) `listen`s, rank 1 `connect`s."""
 
-    def __init__(self, device: torch.device | str = "cuda", timeout_s: float = 30.0):
+    def __init__(self, device: torch.device | str = "cuda", timeout_s: float = 30.0,
+                 compute_stream: torch.cuda.Stream | None = None):
+        """`compute_stream`: the stream the engine's forward passes run on (transfers are ordered
+        against it by events); None: the posting thread's current stream."""
         super().__init__()
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"NcclTransport needs a CUDA device, got {device}")
         self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
         self.timeout_s = timeout_s
+        self.compute_stream = compute_stream
 
     def listen(self, peer: str) -> NcclAddress:
         """Host a new channel to `peer`; returns the address it must `connect` to. The communicator
         forms in the background once the peer joins. Replaces any existing channel to `peer`."""
         address = NcclAddress(_nccl().get_unique_id())
-        ch = NcclChannel(peer, 0, self.device, self.timeout_s)
+        ch = NcclChannel(peer, 0, self.device, self.timeout_s, compute_stream=self.compute_stream)
         threading.Thread(target=ch._init, args=(address.unique_id,), daemon=True, name=f"nccl-listen-{peer}").start()
         self._add(ch)
         return address
 
     def connect(self, peer: str, address: NcclAddress) -> None:
         """Join the channel `peer` hosts as rank 1; waits at most `timeout_s` for it to form."""
-        ch = NcclChannel(peer, 1, self.device, self.timeout_s)
+        ch = NcclChannel(peer, 1, self.device, self.timeout_s, compute_stream=self.compute_stream)
         threading.Thread(target=ch._init, args=(address.unique_id,), daemon=True, name=f"nccl-join-{peer}").start()
         ch._communicator()
         self._add(ch)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One command for a machine with one or more GPUs: every GPU test, a CuPy NCCL smoke test, both pools on
-# one GPU (KV staged through pinned host memory over gloo, tests/kv_transfer/test_staged.py) and a
-# short engine throughput run on CUDA, summed up in ONE JSON report.
+# One command (<= 8 minutes) for a machine with one or more GPUs: every GPU test, a CuPy NCCL smoke test,
+# both pools on one GPU (KV staged through pinned host memory over gloo, tests/kv_transfer/test_staged.py)
+# and benchmarks/gpu_engine.py (old path beside the new), summed up in ONE JSON report.
 #
 #   scripts/gpu_check.sh [REPORT.json]        (default: $OUT/gpu_report.json, else ./gpu_report.json)
 #   PYTHON=.venv/bin/python scripts/gpu_check.sh    (default: python3)
@@ -59,9 +59,9 @@ mapfile -t NCCL_FILES < <(grep -i nccl "$WORK/files.txt")
 # pinned host memory over gloo (two engines in one process, then a prefill and a decode actor under Ray).
 mapfile -t ONE_GPU_FILES < <(grep -i staged "$WORK/files.txt")
 mapfile -t OTHER_FILES < <(grep -vi -e nccl -e staged "$WORK/files.txt")
-run_tests main 180 "${OTHER_FILES[@]}"
-run_tests nccl 60 "${NCCL_FILES[@]}"
-run_tests one_gpu_pools 240 "${ONE_GPU_FILES[@]}"
+run_tests main 150 "${OTHER_FILES[@]}"
+run_tests nccl 45 "${NCCL_FILES[@]}"
+run_tests one_gpu_pools 120 "${ONE_GPU_FILES[@]}"
 
 # ---------------------------------------------------------------------------------------- NCCL smoke
 echo "== CuPy NCCL smoke test"
@@ -120,119 +120,19 @@ print(json.dumps(out, indent=1))
 json.dump(out, open(sys.argv[1], "w"))
 EOF
 
-# ---------------------------------------------------------------------------------------- throughput
-# benchmarks/engine_throughput.py has no device flag (it measures the CPU engine against its CPU
-# roofline); its workload and its run loop (`run_pdserve`) are driven here with a CUDA engine.
-echo "== engine throughput on CUDA"
-timeout 150 "$PY" - "$WORK/throughput.json" <<'EOF'
-import gc, json, os, sys, tempfile, time, warnings
-import torch
-from benchmarks.common import make_workload, warm_up
-from benchmarks.engine_throughput import run_pdserve
-from engine import EngineConfig, LLMEngine, SamplingParams
-
-out = {"runs": []}
-try:
-    model, note = None, "SmolLM2-135M-Instruct (the default model)"
-    tok_dir = os.environ.get("PDSERVE_TEST_TOKENIZER")
-    if tok_dir:  # no default model here: its shapes, random weights
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(tok_dir)
-        cfg = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                                   num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                                   max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-        torch.manual_seed(0)
-        m = AutoModelForCausalLM.from_config(cfg)
-        with torch.no_grad():  # a wider logit spread: fewer near-ties in the agreement check
-            m.model.norm.weight.mul_(8.0)
-        model = tempfile.mkdtemp(prefix="smol-shaped-")
-        m.save_pretrained(model)
-        tok.save_pretrained(model)
-        del m
-        note = "random weights in SmolLM2-135M's shapes (llama, 30 layers, hidden 576, GQA 9/3)"
-    out["model"] = note
-
-    def hf_greedy(hf, prompt, n):
-        with torch.inference_mode():
-            ids = torch.tensor([prompt], device=hf.device)
-            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-        return g[0, len(prompt):].tolist()  # ends early at an EOS (ours go on: ignore_eos)
-
-    def profile_decode(eng, num_steps=5):
-        """Where a steady decode step's time goes: host time per step, and the top ops by self time."""
-        from torch.profiler import ProfilerActivity, profile
-        for i in range(32):
-            eng.add_request(f"prof-{i}", list(range(100, 400)), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
-        for _ in range(8):  # past the prefills
-            eng.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            t = time.perf_counter()
-            for _ in range(num_steps):
-                eng.step()
-            torch.cuda.synchronize()
-            wall = (time.perf_counter() - t) / num_steps
-        while eng.has_unfinished_requests():
-            eng.step()
-        ev = p.key_averages()
-        gpu_total = sum(e.self_device_time_total for e in ev) / num_steps / 1e3
-        top = lambda key: [[e.key[:60], round(getattr(e, key) / num_steps / 1e3, 3), e.count // num_steps]
-                           for e in sorted(ev, key=lambda e: -getattr(e, key))[:8]]
-        return {"batch": 32, "wall_ms_per_step": round(1e3 * wall, 2), "gpu_busy_ms_per_step": round(gpu_total, 2),
-                "top_self_cpu_ms_per_step": top("self_cpu_time_total"),
-                "top_self_gpu_ms_per_step": top("self_device_time_total")}
-
-    for dtype, num_requests, max_seqs, budget in (("float32", 64, 64, 1024), ("bfloat16", 64, 64, 1024),
-                                                  ("bfloat16", 256, 256, 4096)):
-        eng = LLMEngine(EngineConfig(model=model, device="cuda", dtype=dtype, max_num_seqs=max_seqs,
-                                     max_num_batched_tokens=budget, kv_cache_memory_mb=16384))
-        wl = make_workload(num_requests, (32, 512), (16, 256), eng.vocab_size, seed=0)
-        warm_up(eng)
-        torch.cuda.synchronize()
-        res, toks = run_pdserve(eng, wl, "continuous")
-        # Synchronizing CUDA calls in one whole decode step (sampling's read of the tokens included).
-        for i in range(4):
-            eng.add_request(f"sync-{i}", list(range(100, 140)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        eng.step()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                eng.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        while eng.has_unfinished_requests():
-            eng.step()
-        syncs = [str(w.message).splitlines()[0] for w in caught if "called a synchronizing" in str(w.message)]
-        try:
-            prof = profile_decode(eng) if max_seqs == 64 else None
-        except Exception as exc:  # noqa: BLE001 - the rows above still count
-            prof = {"error": repr(exc)}
-        k = min(8, len(wl))  # greedy agreement with transformers' generate, first 16 tokens, on k requests
-        hf = [hf_greedy(eng.hf_model, wl[i].prompt_token_ids, 16) for i in range(k)]
-        same = sum(toks[f"req-{i}"][:len(h)] == h[:len(toks[f"req-{i}"])] for i, h in enumerate(hf))
-        d = res.details
-        dec_tps = d["mean_decode_batch"] * d["decode_only_steps"] / d["time_in_decode_only_steps_s"] if d["decode_only_steps"] else None
-        row = {"dtype": dtype, "requests": num_requests, "max_num_seqs": max_seqs, "max_num_batched_tokens": budget,
-               "output_tokens": res.output_tokens, "wall_s": round(res.wall_s, 3),
-               "output_tokens_per_s": round(res.tokens_per_s, 1),
-               "decode_only_tokens_per_s": dec_tps and round(dec_tps, 1),
-               "steps": d["steps"], "mean_decode_batch": round(d["mean_decode_batch"], 1),
-               "mean_step_ms": round(1e3 * (d["time_in_steps_with_prefill_s"] + d["time_in_decode_only_steps_s"]) / d["steps"], 2),
-               "greedy_agreement_first16_vs_hf": f"{same}/{k}", "sync_calls_in_one_decode_step": len(syncs),
-               "sync_call_messages": syncs[:4], "decode_step_profile": prof}
-        print(json.dumps(row), flush=True)
-        out["runs"].append(row)
-        del eng
-        gc.collect()
-        torch.cuda.empty_cache()
-except Exception as exc:  # noqa: BLE001 - reported
-    import traceback
-    traceback.print_exc()
-    out["error"] = repr(exc)
-json.dump(out, open(sys.argv[1], "w"))
-EOF
+# ---------------------------------------------------------------------------------------- the engine on the GPU
+# benchmarks/gpu_engine.py: decode steps at batches 1/32/64/256 (wall, GPU busy, launches, host syncs) and a
+# 128-request burst on SmolLM2's and 8 of Llama-3.1-8B's layers' shapes (random weights), the old path beside
+# the new one when an old tree is at hand (OLD_TREE, else .cache/gpu_carry/old-tree, else OLD_COMMIT through
+# git), and transformers' continuous batching and static-cache generate as baselines.
+echo "== benchmarks/gpu_engine.py"
+OLD_ARGS=()
+OLD_TREE="${OLD_TREE:-.cache/gpu_carry/old-tree}"
+if [ -d "$OLD_TREE/engine" ]; then OLD_ARGS=(--old-tree "$OLD_TREE")
+elif [ -n "${OLD_COMMIT:-}" ] && [ -d .git ]; then OLD_ARGS=(--old-commit "$OLD_COMMIT"); fi
+timeout "${BENCH_LIMIT_S:-260}" "$PY" benchmarks/gpu_engine.py --budget-s "$(( ${BENCH_LIMIT_S:-260} - 20 ))" \
+    "${OLD_ARGS[@]}" --json "$WORK/gpu_engine.json" 2>&1 | tee "$WORK/gpu_engine.log"
+cp "$WORK/gpu_engine.json" "${OUT:-.}/gpu_engine.json" 2>/dev/null || true
 
 # ---------------------------------------------------------------------------------------- report
 echo "== report"
@@ -284,7 +184,7 @@ rep = {
     "gpu_tests": {"total": total, "runs": runs,
                   "uncollected_files": open(os.path.join(work, "uncollected.txt")).read().splitlines()},
     "nccl_smoke": load("nccl_smoke.json"),
-    "throughput_cuda": load("throughput.json"),
+    "gpu_engine": load("gpu_engine.json"),
     "wall_s": int(time.time()) - t0,
     "notes": ["tests needing Ray skip (or do not import) where Ray is missing",
               "NCCL pairs need two GPUs: with one, the channel runs on a one-rank communicator",
@@ -293,6 +193,6 @@ rep = {
 os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
 json.dump(rep, open(report, "w"), indent=1)
 print(json.dumps({"gpu_tests": total, "nccl_smoke_ok": rep["nccl_smoke"].get("ok"),
-                  "throughput": rep["throughput_cuda"].get("error") or rep["throughput_cuda"].get("runs")}, indent=1))
+                  "gpu_engine": rep["gpu_engine"].get("error") or sorted(rep["gpu_engine"])}, indent=1))
 print("report:", report)
 EOF

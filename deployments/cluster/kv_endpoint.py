@@ -58,12 +58,12 @@ def _node_ip(host: str | None) -> str:
     return host or ray.util.get_node_ip_address()
 
 
-def _transport(device: Any, node_ip: str, timeout_s: float) -> Any:
+def _transport(device: Any, node_ip: str, timeout_s: float, compute_stream: Any = None) -> Any:
     """The KV transport for a cache on `device`; its listeners bind to `node_ip`, the node's cluster
     address, only (gloo: given it; NCCL: through the interface holding it, `pin_interface`)."""
     if getattr(device, "type", str(device).split(":")[0]) == "cuda":
         pin_interface(node_ip)
-    return make_transport(device, node_ip, timeout_s)
+    return make_transport(device, node_ip, timeout_s, compute_stream)
 
 
 class KVExporter:
@@ -83,7 +83,8 @@ class KVExporter:
         self._ended: collections.deque[str] = collections.deque()  # leases ended, blocks not yet freed
         kv_cache = engine.runner.kv_cache
         # per peer: gloo for a CPU cache; NCCL, or staged gloo for a peer on the same GPU, for a CUDA one
-        self.transport = _transport(kv_cache.device, _node_ip(host), timeout_s)
+        stream = getattr(engine.runner, "compute_stream", None)  # CUDA: the engine's stream
+        self.transport = _transport(kv_cache.device, _node_ip(host), timeout_s, stream)
         self.leases = LeaseTable(worker_id, KVLayout.of(kv_cache), self._release_blocks, lease_s)
         self.sender = KVSender(self.transport, kv_cache, self.leases, timeout_s)
 
@@ -201,7 +202,8 @@ class KVImporter:
         self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
         self._on_blocks = on_blocks or self._locked
         self.timeout_s = timeout_s
-        self.transport = _transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s)
+        self.transport = _transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s,
+                                    getattr(engine.runner, "compute_stream", None))
         self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s)
         self._open_locks: dict[str, threading.Lock] = {}
         self._open_locks_lock = threading.Lock()
