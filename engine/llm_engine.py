@@ -18,7 +18,8 @@ from engine.model_loader import load_model_and_tokenizer
 from engine.kv_pool import kv_pool_blocks
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestOutput, RequestStatus, extend_block_keys
-from engine.sampler import SampleResult, sample
+from engine.device_sampler import sample_on_device
+from engine.sampler import SampleResult
 from engine.stop_strings import hit_stop_string
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
@@ -140,11 +141,11 @@ class LLMEngine:
                 "prompt", f"{len(prompt_ids)} tokens; this model's context holds {self.max_model_len} "
                           "including at least one generated token")
 
-    def _new_generator(self, params: SamplingParams) -> torch.Generator | None:
+    def _new_sample_seed(self, params: SamplingParams) -> int | None:
+        """The key of a sampled request's draws (engine.device_sampler): its seed, or the engine's next."""
         if params.greedy:
             return None
-        seed = params.seed if params.seed is not None else next(self._seed_counter)
-        return torch.Generator().manual_seed(seed)
+        return params.seed if params.seed is not None else next(self._seed_counter)
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     priority: int = 0, prefill_only: bool = False, arrival_time: float | None = None,
@@ -172,7 +173,7 @@ class LLMEngine:
         check_cache_salt(cache_salt)
         resumed = _resumed_tail(prompt_ids, num_resumed_output)
         req = Request(request_id, prompt_ids, params, priority=priority, prefill_only=prefill_only,
-                      urgent=urgent, generator=self._new_generator(params), cache_salt=cache_salt,
+                      urgent=urgent, sample_seed=self._new_sample_seed(params), cache_salt=cache_salt,
                       grammar=self.grammars.state_for(params, resumed), num_resumed_output=len(resumed))
         if arrival_time is not None:
             req.arrival_time = min(arrival_time, req.arrival_time)
@@ -273,7 +274,7 @@ class LLMEngine:
         check_cache_salt(cache_salt)
         resumed = _resumed_tail(prompt_token_ids, num_resumed_output)
         req = Request(request_id, list(prompt_token_ids), params, priority=priority,
-                      generator=self._new_generator(params), cache_salt=cache_salt, prompt_logprobs_sent=True,
+                      sample_seed=self._new_sample_seed(params), cache_salt=cache_salt, prompt_logprobs_sent=True,
                       grammar=self.grammars.state_for(params, resumed + list(output_token_ids)),
                       num_resumed_output=len(resumed))
         if generator_state is not None and req.generator is not None:
@@ -345,7 +346,7 @@ class LLMEngine:
         sampling = [c for c in sched.chunks if c.samples]
         requests = [c.request for c in sampling]
         drafts = [c.request.spec_token_ids[:c.num_spec] for c in sampling] if self.speculator else None
-        result = sample(logits, requests, self.eos_token_ids, drafts) if sampling else SampleResult([], {})
+        result = sample_on_device(logits, requests, self.eos_token_ids, drafts) if sampling else SampleResult([], {})
         for chunk in sched.chunks:
             if not chunk.num_spec:  # a chunk with drafts is committed once verification has kept some
                 self.scheduler.postprocess_chunk(chunk)

@@ -95,7 +95,10 @@ class Request:
     # before the newest tokens (context for tokenizers whose pieces depend on what precedes them).
     detok_prefix: int = 0
     detok_read: int = 0
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # engine.sampler's (the reference's) draws
+    # The key of engine.device_sampler's draws, with each token's position: the request's seed, or one
+    # the engine picks (None: greedy, or a request no engine has seen: the sampler picks one on use).
+    sample_seed: int | None = None
     first_token_time: float | None = None
     # Prefix cache, owned by the scheduler: keys of the full blocks so far, how many of this request's
     # blocks are registered in the cache, and how many prompt tokens the last admission found cached.
