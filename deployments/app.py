@@ -108,7 +108,7 @@ def build_grpc_app(args: dict | None = None) -> serve.Application:
 
 def build_app(args: dict | None = None) -> serve.Application:
     """Build the pdserve application from a settings dict: `pdserve serve`'s flag names with
-    underscores (README "Server settings"). Raises ServeConfigError on an unknown or bad setting."""
+    underscores (docs/reference/settings.md). Raises ServeConfigError on an unknown or bad setting."""
     cfg = ServeConfig.from_dict(args or {})
     return OpenAIIngress.options(ray_actor_options=cfg.ingress_actor_options(),
                                  **cfg.ingress_options()).bind(cfg.to_dict())

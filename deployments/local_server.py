@@ -10,8 +10,7 @@ Why it exists: on a small CPU host the Ray layouts' own processes (GCS, raylet, 
 monitor, Serve's controller and proxy, the router, the ingress replica, each actor's core worker
 waking every 10 ms) run on the same few cores as the engine's OpenMP threads. Every time one of them
 preempts an engine thread, the other engine thread waits for it at the end of the parallel region,
-so each core-ms they take costs the engine about two. Measured on 2 cores (README "Choosing a
-layout"): the Ray colocated layout kept 0.71-0.78x of the engine alone at concurrency 1 and 8; this
+so each core-ms they take costs the engine about two. Measured on 2 cores (docs/guides/layouts.md): the Ray colocated layout kept 0.71-0.78x of the engine alone at concurrency 1 and 8; this
 layout keeps what the engine alone keeps, less the HTTP work itself. What it gives up is what Ray is
 for: more than one worker, a prefill pool, autoscaling, moving sequences off a dead worker, gRPC
 through Serve's proxy and Prometheus export through Ray; `pdserve serve` refuses those settings here

@@ -20,10 +20,10 @@ if TYPE_CHECKING:
     from deployments.config import ServeConfig
 
 _GROUPS = {"launch": "starting Ray and Serve", "serve": "server", "engine": "engine of every worker",
-           "scaling": "autoscaling and failures (see README \"Scaling and failures\")"}
+           "scaling": "autoscaling and failures (see docs/guides/scaling-and-failures.md)"}
 _METAVARS = {Kind.INT: "N", Kind.FLOAT: "X", Kind.STR: "STR", Kind.RESOURCES: "JSON"}
 # The most cores on which `pdserve serve` picks the single-process layout: there the Ray layouts' own
-# processes take a share of the engine's cores that costs it 20-30% (README "Choosing a layout").
+# processes take a share of the engine's cores that costs it 20-30% (docs/guides/layouts.md).
 SINGLE_PROCESS_MAX_CPUS = 4
 
 
@@ -42,7 +42,7 @@ class LaunchOptions:
     layout: Literal["auto", "single", "ray"] = field(default="auto", metadata={
         "help": "single: the engine and the HTTP server in this one process, no Ray; ray: Ray Serve with the "
                 "router and worker pools (the layout flags shape them); auto: single on a CPU-only host of at "
-                f"most {SINGLE_PROCESS_MAX_CPUS} cores when no setting asks for Ray, else ray (README \"Choosing a layout\")"})
+                f"most {SINGLE_PROCESS_MAX_CPUS} cores when no setting asks for Ray, else ray (docs/guides/layouts.md)"})
     cluster_resources: bool = field(default=False, metadata={
         "help": "pin the workers to nodes with the prefill / decode custom resources of cluster.yaml "
                 "(sets prefill_resources / decode_resources unless given)"})
@@ -158,7 +158,7 @@ class Hardware(NamedTuple):
 
 
 # /proc/cpuinfo flag -> the name printed; the first found wins. AMX tiles: 4-6x fp32's rate at
-# SmolLM2's shapes; AVX512-BF16 dot products (Zen 4, Cooper Lake): 2.0-2.3x (README "Choosing a layout").
+# SmolLM2's shapes; AVX512-BF16 dot products (Zen 4, Cooper Lake): 2.0-2.3x (docs/guides/layouts.md).
 BF16_FLAGS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"))
 
 
@@ -190,10 +190,10 @@ def cluster_hardware() -> Hardware:
 
 
 def pick_layout(hw: Hardware) -> tuple[dict[str, Any], str]:
-    """The layout that serves best on `hw` (README "Choosing a layout"), and a line that says it.
+    """The layout that serves best on `hw` (docs/guides/layouts.md), and a line that says it.
 
     - CPUs only: colocated, one worker per node with a thread per core. Split between two pools, the
-      cores of a small node are lost to whichever pool idles (measured: README).
+      cores of a small node are lost to whichever pool idles (measured: docs/guides/layouts.md).
     - One GPU: colocated on it (prefill and decode share the device anyway).
     - Two GPUs or more: disaggregated, half of them prefill workers, the rest decode workers."""
     if hw.gpus >= 2:
@@ -255,7 +255,7 @@ def _hardware_text(hw: Hardware) -> str:
 
 def pick_dtype(hw: Hardware, device: str) -> str | None:
     """The dtype `pdserve serve` picks when none is given: bfloat16 on a CPU that multiplies bf16
-    matrices in hardware (AMX, AVX512-BF16), 2-6x faster than fp32 ones (README "Choosing a layout");
+    matrices in hardware (AMX, AVX512-BF16), 2-6x faster than fp32 ones (docs/guides/layouts.md);
     else None, the engine's `auto` (bfloat16 on CUDA, float32 on other CPUs, which emulate bf16)."""
     return "bfloat16" if not device.startswith("cuda") and hw.cpu_bf16 else None
 

@@ -13,7 +13,7 @@ Bounds: the sampling values' are SamplingParams' own (engine/sampling_params.py)
 there; what only a door knows is checked here: token ids against the served vocabulary (prompt and
 `stop_token_ids`), text free of lone surrogates, `priority` within PRIORITY_RANGE (and 0 unless the
 server's scheduling_policy is "priority"), `cache_salt`
-(the engine's `check_cache_salt`: 1..1024 characters). docs/api_bounds.md lists them all.
+(the engine's `check_cache_salt`: 1..1024 characters). docs/reference/api.md lists them all.
 
 Defaults for an omitted `max_tokens` follow vLLM: DEFAULT_MAX_TOKENS for a text or token-id prompt
 (OpenAI's documented default for the legacy completions endpoint) and "the rest of the context"

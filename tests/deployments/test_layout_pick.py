@@ -1,5 +1,4 @@
-"""`pdserve serve` with no layout flags picks the layout for the hardware it finds (README "Choosing a
-layout"); any layout flag, or a YAML/`build_app` config, keeps exactly what it says."""
+"""`pdserve serve` with no layout flags picks the layout for the hardware it finds (docs/guides/layouts.md); any layout flag, or a YAML/`build_app` config, keeps exactly what it says."""
 
 from __future__ import annotations
 
