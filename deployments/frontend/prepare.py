@@ -24,10 +24,10 @@ error (`PromptTooLongError`), as with OpenAI and vLLM, rather than being silentl
 from __future__ import annotations
 
 import asyncio
-import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from deployments.frontend.prompt_input import PromptInput, PromptKind  # noqa: F401 - re-exported
 from deployments.frontend.tool_calls import check_chat_template
 from engine import InvalidRequestError, PromptTooLongError, SamplingParams
 from engine.llm_engine import check_cache_salt
@@ -70,22 +70,6 @@ class ServedModel:
             shown = requested if len(requested) <= 64 else requested[:64] + "..."  # never echo a megabyte
             raise UnknownModelError("model", f"`{shown}` does not exist; this server serves `{self.name}`")
         return self.name
-
-
-class PromptKind(enum.Enum):
-    TEXT = "text"  # a string, tokenized without special tokens
-    TOKEN_IDS = "token_ids"  # ids used as they are, bounded by the vocabulary
-    CHAT = "chat"  # role/content messages through the model's chat template
-
-
-@dataclass(frozen=True, slots=True)
-class PromptInput:
-    """One prompt as the client sent it. `field` is the request field errors about it name."""
-
-    kind: PromptKind
-    value: str | list[int] | list[dict[str, str]]
-    field: str = "prompt"
-    tools: list[dict] | None = None  # chat: the tools the template renders (tool_calls.py); None: none
 
 
 @dataclass(frozen=True, slots=True)
