@@ -92,7 +92,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                 self.engine.free_blocks(block_ids)
                 return Admission(False, str(exc) or type(exc).__name__)
             self.requests[req.request_id] = req
-        self._wake.set()
+        self.host.wake()
         return Admission(True)
 
     def resume(self, req: GenRequest, backup: BackupTo | None = None, fetch: FetchFrom | None = None) -> Admission:
@@ -127,7 +127,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             self.requests[req.request_id] = req
             if backup is not None:
                 self._backups[req.request_id] = backup
-        self._wake.set()
+        self.host.wake()
         return Admission(True)
 
     def _fetch_prefix(self, req: GenRequest, src: FetchFrom) -> list[int]:

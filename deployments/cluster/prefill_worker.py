@@ -88,7 +88,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
             self.router.on_finished.remote(self.worker_id, req.request_id)
             return
-        self._wake.set()
+        self.host.wake()
 
     def _forget(self, request_id: str) -> None:
         """Drop what an earlier attempt of `request_id` left here (caller holds the lock): the router
