@@ -29,6 +29,7 @@ from deployments.config import ServeConfig
 from deployments.engine_host import EngineHost, HostHooks
 from deployments.frontend.hub_wire import HubAddress, HubClient, hub_client
 from engine import LLMEngine, RequestOutput
+from engine.kv_lending import KVLending
 from engine.device_health import is_device_fatal
 from kv_transfer import KVHandle, KVTransferError
 
@@ -108,6 +109,7 @@ class EngineWorker:
         self.config = config
         self.router = router
         self.engine = LLMEngine(config.engine_config(self.role.value))
+        self.lending = KVLending(self.engine)  # the engine's side of KV transfer
         on_cpu = torch.device(self.engine.config.device).type == "cpu"
         share = _node_core_share(worker_id, config) if on_cpu and config.share_node_cores else None
         self.host = EngineHost(self.engine, worker_id, HostHooks(
@@ -192,9 +194,9 @@ class EngineWorker:
         """`KVExporter`'s `free`: drop a lease's blocks (caller holds the lock)."""
         blocks = self._pinned.pop(lease_id, None)
         if blocks is not None:
-            self.engine.free_blocks(blocks)
+            self.lending.free_blocks(blocks)
         else:
-            self.engine.release_prefilled(lease_id)
+            self.lending.release_prefilled(lease_id)
 
     # ------------------------------------------------------------------ actor API
     def info(self) -> WorkerInfo:
