@@ -10,7 +10,7 @@ All four go through the same HTTP load generator (`pdserve bench`'s `run_benchma
 rows serve `LLMEngine` (2 threads) behind the same OpenAI ingress in this process.
 
     .venv/bin/python benchmarks/batching_table.py [--num-prompts 48 --request-rate 4 --batch-size 16]
-        [--markdown docs/batching_table.md --plot docs/batching_table.png]
+        [--markdown benchmarks/results/batching_table.md --plot benchmarks/results/batching_table.png]
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 
 from deployments.bench_cli import BenchConfig, run_benchmark
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.model_runner import can_prepack
+from engine.models import can_prepack
 
 # ---------------------------------------------------------------------------------------------- roofline
 
@@ -338,3 +338,35 @@ def write_json(path: str | Path, obj: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_jsonable(obj), indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- text workloads
+COPY_INSTRUCTIONS = (
+    "Repeat the following text exactly, word for word:\n\n{text}",
+    "Copy this text, fixing any typos you find:\n\n{text}",
+    "Rewrite the text below unchanged, then stop:\n\n{text}",
+)
+
+
+def repo_paragraphs(parts: Sequence[str], min_chars: int = 250, max_chars: int = 700,
+                    shuffle_seed: int | None = None) -> list[str]:
+    """Paragraphs of prose and code from this repository (`parts`: files, or folders whose *.md and
+    *.py files are read, in sorted order): a fixed list for a given checkout, shuffled with
+    `shuffle_seed` if given (consecutive cells then mix prose and code). Tables are left out."""
+    import random
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    paths = []
+    for part in parts:
+        p = root / part
+        paths += sorted([*p.rglob("*.md"), *p.rglob("*.py")]) if p.is_dir() else [p]
+    out = []
+    for path in paths:
+        for block in re.split(r"\n\s*\n", path.read_text()):
+            block = block.strip()
+            if min_chars <= len(block) <= max_chars and not block.startswith(("|", "<!--")):
+                out.append(block)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(out)
+    return out

@@ -20,6 +20,7 @@ import torch
 
 from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin, KVImporter
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_lending import KVLending
 from kv_transfer.gloo import GlooTransport
 
 PARAMS = SamplingParams(max_tokens=1, temperature=0)
@@ -44,7 +45,7 @@ class _BenchExporter(KVExporter):
         if blocks is None:
             super()._release_blocks(request_id)
         else:
-            self._engine.free_blocks(blocks)
+            KVLending(self._engine).free_blocks(blocks)
 
 
 @ray.remote(num_cpus=1, max_concurrency=4)
@@ -73,7 +74,7 @@ class PrefillActor(KVExportMixin):
             blocks = self.engine.block_manager.allocate_contiguous(-(-num_tokens // self.engine.config.block_size))
             assert blocks is not None, "no run of free blocks that long"
         else:
-            blocks = self.engine.allocate_blocks(num_tokens)
+            blocks = KVLending(self.engine).allocate_blocks(num_tokens)
         cache = self.engine.runner.kv_cache
         cache[blocks] = torch.randn((len(blocks),) + cache.shape[1:], dtype=cache.dtype)
         self.kv_exporter.synthetic[rid] = blocks
@@ -109,7 +110,7 @@ class DecodeActor:
         self.__dict__.setdefault("_runs", {"sender": [], "receiver": []})
         self._runs["sender"].append(_is_run(handle.block_ids))
         self._runs["receiver"].append(_is_run(blocks))
-        self.engine.free_blocks(blocks)
+        KVLending(self.engine).free_blocks(blocks)
         return dt
 
     def runs(self) -> dict[str, list[bool]]:

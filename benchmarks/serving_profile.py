@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="default: what `pdserve serve` picks on this host")
     args = p.parse_args(argv)
     if args.dtype is None:
-        from deployments.serve_cli import local_hardware, pick_dtype
+        from deployments.layouts import local_hardware, pick_dtype
         args.dtype = pick_dtype(local_hardware(), "cpu") or "float32"
     setups = args.setups.split(",")
     if bad := [s for s in setups if s not in SETUPS]:

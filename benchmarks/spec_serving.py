@@ -24,8 +24,6 @@ at concurrency 1 on copy; at concurrency 64 and on random prompts >= 0.97x of of
 from __future__ import annotations
 
 import argparse
-import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -33,31 +31,18 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import MODEL_NAME, fmt, machine_info, print_table, serve_app, write_json
+from benchmarks.common import (COPY_INSTRUCTIONS, MODEL_NAME, fmt, machine_info, print_table, repo_paragraphs,
+                               serve_app, write_json)
 from benchmarks.loadgen import BenchConfig, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("off", "ngram", "suffix")
 WORKLOADS = ("copy", "random")
-COPY_INSTRUCTIONS = (
-    "Repeat the following text exactly, word for word:\n\n{text}",
-    "Copy this text, fixing any typos you find:\n\n{text}",
-    "Rewrite the text below unchanged, then stop:\n\n{text}",
-)
-
-
 def source_texts(min_chars: int = 250, max_chars: int = 700) -> list[str]:
-    """Paragraphs of prose and code from this repository (a fixed list for a given checkout), shuffled
-    with a fixed seed so that consecutive cells mix prose and code."""
-    out = []
-    paths = [ROOT / "README.md", *sorted((ROOT / "engine").glob("*.py")), *sorted((ROOT / "deployments").rglob("*.py"))]
-    for path in paths:
-        for block in re.split(r"\n\s*\n", path.read_text()):
-            block = block.strip()
-            if min_chars <= len(block) <= max_chars and not block.startswith(("|", "<!--")):
-                out.append(block)
-    random.Random(0).shuffle(out)
-    return out
+    """Paragraphs of prose (README and docs) and code (engine/*.py, deployments/) from this repository,
+    shuffled with a fixed seed so that consecutive cells mix prose and code."""
+    engine_files = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "engine").glob("*.py"))]
+    return repo_paragraphs(["README.md", "docs", *engine_files, "deployments"], min_chars, max_chars, shuffle_seed=0)
 
 
 class Workloads:

@@ -22,7 +22,6 @@ Greedy outputs are checked equal to speculation off (they must be, token for tok
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -33,17 +32,12 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import torch
 
-from benchmarks.common import fmt, machine_info, print_table, warm_up, write_json
+from benchmarks.common import COPY_INSTRUCTIONS, fmt, machine_info, print_table, repo_paragraphs, warm_up, write_json
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.spec import Speculator
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("off", "ngram", "suffix")
-COPY_INSTRUCTIONS = (
-    "Repeat the following text exactly, word for word:\n\n{text}",
-    "Copy this text, fixing any typos you find:\n\n{text}",
-    "Rewrite the text below unchanged, then stop:\n\n{text}",
-)
 # Free generation: every prompt distinct (a template and a subject), so no output repeats another's.
 FREE_TEMPLATES = (
     "Write a short story about {}.",
@@ -62,14 +56,9 @@ FREE_SUBJECTS = (
 
 
 def source_texts(min_chars: int = 250, max_chars: int = 700) -> list[str]:
-    """Paragraphs of prose and code from this repository, a fixed set for a given checkout."""
-    out = []
-    for path in [ROOT / "README.md", *sorted((ROOT / "engine").glob("*.py"))]:
-        for block in re.split(r"\n\s*\n", path.read_text()):
-            block = block.strip()
-            if min_chars <= len(block) <= max_chars and not block.startswith(("|", "<!--")):
-                out.append(block)
-    return out
+    """Paragraphs of prose (README and docs) and code (the engine) from this repository."""
+    return repo_paragraphs(["README.md", "docs", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "engine").glob("*.py")))],
+                           min_chars, max_chars)
 
 
 def copy_prompts(engine: LLMEngine, n: int, offset: int) -> list[list[int]]:

@@ -57,7 +57,7 @@ from deployments.bench_cli import BenchConfig, run_benchmark  # noqa: E402
 # on a CPU with AMX or AVX512-BF16, else float32); "offline" steps the engine in that same dtype; "-fp32" / "-bf16"
 # name one. "vllm" serves fp32 (the engine's exact-match precision); "vllm-bf16" serves bfloat16,
 # vLLM's own choice for this model (its checkpoint's dtype). "pdserve-ray" is the Ray colocated
-# layout (`--layout ray`), which `pdserve serve` picks on hosts of more than 4 cores;
+# layout (`--layout colocated`), which `pdserve serve` picks on hosts of more than 4 cores;
 # "pdserve-disagg-fixed" keeps each pool on its own thread (`--no-share-node-cores`).
 SERVERS = ("offline", "offline-fp32", "engine", "pdserve", "pdserve-fp32", "pdserve-ray", "pdserve-disagg",
            "pdserve-disagg-fixed", "vllm", "vllm-bf16")
@@ -126,10 +126,10 @@ def server(name: str, args: argparse.Namespace, workdir: Path) -> contextlib.Abs
 
         return engine_http_server(EngineConfig(num_threads=args.threads, dtype=shipped_dtype()))
     if name.startswith("pdserve"):
-        extra = ["--prefill-workers", "1", "--decode-workers", "1"] if name.startswith("pdserve-disagg") else []
+        extra = ["--layout", "disagg"] if name.startswith("pdserve-disagg") else []
         extra += ["--no-share-node-cores"] if name == "pdserve-disagg-fixed" else []
         extra += ["--dtype", "float32"] if name == "pdserve-fp32" else []
-        extra += ["--layout", "ray"] if name == "pdserve-ray" else []
+        extra += ["--layout", "colocated"] if name == "pdserve-ray" else []
         cmd = [str(ROOT / ".venv/bin/pdserve"), "serve", "--port", str(port), "--grpc-port", "0", *extra]
         return process_server(cmd, {}, port, log, args.start_timeout_s)
     model = export_model(workdir)
@@ -165,7 +165,7 @@ def _pcts(xs: list[float]) -> dict[str, float]:
 
 def shipped_dtype() -> str:
     """The dtype `pdserve serve` computes in on this host when given none."""
-    from deployments.serve_cli import local_hardware, pick_dtype
+    from deployments.layouts import local_hardware, pick_dtype
 
     return pick_dtype(local_hardware(), "cpu") or "float32"
 

@@ -2,7 +2,9 @@
 
 `build_app(args)` is the thin public builder (also the `import_path` for `serve run` / `serve deploy`):
 it checks the whole config up front and says what to fix (`ServeConfigError`). Its args take exactly
-the names of `pdserve serve`'s flags, with underscores (`ServeConfig.from_dict`).
+the names of `pdserve serve`'s flags, with underscores (`ServeConfig.from_dict`), or a `ServeConfig`
+already parsed (`pdserve serve`). The config is parsed once and passed on as is: to the ingress
+replicas, the router and from it the workers.
 """
 
 from __future__ import annotations
@@ -58,8 +60,7 @@ def shutdown_router(timeout_s: float = 30.0) -> None:
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress()
 class OpenAIIngress:
-    def __init__(self, config: dict):
-        cfg = ServeConfig.from_dict(config)
+    def __init__(self, cfg: ServeConfig):
         from engine.model_loader import load_tokenizer
 
         self.router = get_or_create_router(cfg)
@@ -79,13 +80,12 @@ class OpenAIIngress:
         return self._asgi
 
 
-def _router_serving_state(config: dict):
+def _router_serving_state(cfg: ServeConfig):
     """gRPC ingress factory: the same router backend as HTTP, with this replica's own StreamHub."""
     from engine.model_loader import load_tokenizer
 
     from deployments.frontend.grpc_app import ServingState
 
-    cfg = ServeConfig.from_dict(config)
     router = get_or_create_router(cfg)
     info = ray.get(router.wait_ready.remote(900.0), timeout=960.0)
     hub = StreamHub()
@@ -95,20 +95,23 @@ def _router_serving_state(config: dict):
                         info.max_model_len, info.vocab_size, cfg.engine.scheduling_policy)
 
 
-def build_grpc_app(args: dict | None = None) -> serve.Application:
+def _config(args: dict | ServeConfig | None) -> ServeConfig:
+    return args if isinstance(args, ServeConfig) else ServeConfig.from_dict(args or {})
+
+
+def build_grpc_app(args: dict | ServeConfig | None = None) -> serve.Application:
     """The gRPC twin of `build_app` (serve it with `route_prefix="/pdserve-grpc"` and gRPC options)."""
     import functools
 
     from deployments.frontend.grpc_app import GRPCIngress
 
-    cfg = ServeConfig.from_dict(args or {})
+    cfg = _config(args)
     return GRPCIngress.options(ray_actor_options=cfg.ingress_actor_options(), **cfg.ingress_options()).bind(
-        functools.partial(_router_serving_state, cfg.to_dict()), api_key=cfg.api_key)
+        functools.partial(_router_serving_state, cfg), api_key=cfg.api_key)
 
 
-def build_app(args: dict | None = None) -> serve.Application:
+def build_app(args: dict | ServeConfig | None = None) -> serve.Application:
     """Build the pdserve application from a settings dict: `pdserve serve`'s flag names with
-    underscores (README "Server settings"). Raises ServeConfigError on an unknown or bad setting."""
-    cfg = ServeConfig.from_dict(args or {})
-    return OpenAIIngress.options(ray_actor_options=cfg.ingress_actor_options(),
-                                 **cfg.ingress_options()).bind(cfg.to_dict())
+    underscores (docs/reference/settings.md). Raises ServeConfigError on an unknown or bad setting."""
+    cfg = _config(args)
+    return OpenAIIngress.options(ray_actor_options=cfg.ingress_actor_options(), **cfg.ingress_options()).bind(cfg)

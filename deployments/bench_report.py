@@ -1,16 +1,117 @@
-"""`pdserve bench`'s figures: TTFT/TPOT/ITL/E2E statistics, goodput under SLOs, the throughput
-timeline, the printed report and the plot. Plain functions over the per-request results."""
+"""`pdserve bench`'s types and figures: the run's config, the per-request results, TTFT/TPOT/ITL/E2E
+statistics, goodput under SLOs, the throughput timeline, the printed report and the plot."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from deployments.bench_cli import BenchConfig, RequestResult
+from typing import Any
 
 PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One benchmark run. Ranges are inclusive and override the fixed lengths when set."""
+
+    base_url: str
+    model: str
+    num_prompts: int = 100
+    request_rate: float = math.inf  # requests/s of a Poisson process; inf: all at t=0
+    max_concurrency: int | None = None
+    input_len: int = 128
+    input_len_range: tuple[int, int] | None = None
+    output_len: int = 128
+    output_len_range: tuple[int, int] | None = None
+    dataset: str | None = None  # JSONL with a "prompt" field (text or token ids); optional "max_tokens"
+    vocab_size: int = 32000  # random prompt token ids are drawn from [low_token_id, vocab_size)
+    low_token_id: int = 100  # skip the special tokens at the start of most vocabularies
+    # Shared-prefix workload: each random prompt starts with one of `prefix_groups` random prefixes of
+    # `prefix_len` tokens (a system prompt, few-shot examples), then its own input_len tokens.
+    prefix_groups: int = 0
+    prefix_len: int = 0
+    seed: int = 0
+    timeout_s: float = 600.0  # the whole run; unfinished requests then count as failed
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    api_key: str | None = None
+    ignore_eos: bool = True
+    progress: bool = True
+    result_json: str | None = None
+    plot: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompts <= 0:
+            raise ValueError(f"num_prompts must be > 0, got {self.num_prompts}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate must be > 0 (or inf), got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency <= 0:
+            raise ValueError(f"max_concurrency must be > 0, got {self.max_concurrency}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        for name in ("input_len_range", "output_len_range"):
+            r = getattr(self, name)
+            if r is not None and not (1 <= r[0] <= r[1]):
+                raise ValueError(f"{name} must be LO,HI with 1 <= LO <= HI, got {r}")
+        if min(self.input_len, self.output_len) < 1:
+            raise ValueError("input_len and output_len must be >= 1")
+        if self.prefix_groups < 0 or self.prefix_len < 0 or bool(self.prefix_groups) != bool(self.prefix_len):
+            raise ValueError(f"prefix_groups and prefix_len must both be > 0 (or both 0), got "
+                             f"{self.prefix_groups} and {self.prefix_len}")
+        if self.prefix_groups and self.dataset:
+            raise ValueError("prefix_groups / prefix_len shape random prompts; they cannot go with dataset")
+        if not self.low_token_id < self.vocab_size:
+            raise ValueError(f"low_token_id ({self.low_token_id}) must be below vocab_size ({self.vocab_size})")
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown benchmark settings {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        for name in ("input_len_range", "output_len_range"):
+            if d.get(name) is not None:
+                d[name] = tuple(d[name])
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt: str | list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What the client saw for one request; times are perf_counter seconds relative to the run start."""
+
+    index: int
+    max_tokens: int
+    start: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    num_output_tokens: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens the server had cached
+    usage_reported: bool = False
+    ok: bool = False
+    error: str | None = None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.ttft is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.num_output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float | None]:

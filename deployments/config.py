@@ -1,6 +1,6 @@
 """Serving settings: one frozen dataclass, checked when built, shared by the CLI, the app builder and
 the actors. Each field documents itself (`setting(...)`); `pdserve serve`'s flags, the keys of
-`serve_config.yaml` / `build_app(args)` and README.md's settings tables are made from these fields
+`serve_config.yaml` / `build_app(args)` and docs/reference/settings.md's tables are made from these fields
 (`deployments.config_fields`)."""
 
 from __future__ import annotations
@@ -329,4 +329,4 @@ def _unknown_setting(key: str, by_key: dict[str, Setting]) -> str:
         return f"{key} is set per worker role by the server: set {SERVER_SET[key]} instead"
     near = difflib.get_close_matches(key, list(by_key), n=3)
     hint = f"did you mean {' or '.join(near)}? " if near else ""
-    return f"unknown setting {key!r}: {hint}README.md \"Server settings\" lists them all"
+    return f"unknown setting {key!r}: {hint}docs/reference/settings.md lists them all"

@@ -1,6 +1,6 @@
 """Settings as data: one `Setting` per field of a settings dataclass, read from the field's type and
 its metadata (`engine.config.setting`). The CLI's flags, the value checks of `ServeConfig.from_dict`
-(YAML, `build_app(args)`) and README.md's settings tables are all made from these, so they cannot
+(YAML, `build_app(args)`) and docs/reference/settings.md's tables are all made from these, so they cannot
 drift apart.
 
 Naming: a field `foo_bar` is the YAML key `foo_bar` and the flag `--foo-bar` (a bool: `--foo-bar` /
@@ -35,7 +35,7 @@ class Setting(NamedTuple):
     choices: tuple[str, ...]  # Kind.CHOICE only
     default: Any  # the default where it is used (the server's default engine, not EngineConfig's)
     help: str
-    doc: str  # more detail, README only
+    doc: str  # more detail, the settings doc only
     default_doc: str  # how to read the default, where `default` alone would not say it
     cli: bool  # False: not a flag (YAML / code only)
     group: str  # the table and the `--help` section it is listed in
@@ -152,7 +152,7 @@ def _cell(text: str) -> str:
 
 
 def markdown_table(settings: list[Setting], *, flags: bool, docs: bool) -> str:
-    """A README table: one row per setting. `flags`: name them as flags (a YAML-only setting by its
+    """A settings-doc table: one row per setting. `flags`: name them as flags (a YAML-only setting by its
     key); else by field name. `docs`: add each setting's longer `doc` to its help."""
     head = "| flag | default | meaning |" if flags else "| setting | default | meaning |"
     rows = [head, "|---|---|---|"]

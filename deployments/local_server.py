@@ -10,12 +10,11 @@ Why it exists: on a small CPU host the Ray layouts' own processes (GCS, raylet, 
 monitor, Serve's controller and proxy, the router, the ingress replica, each actor's core worker
 waking every 10 ms) run on the same few cores as the engine's OpenMP threads. Every time one of them
 preempts an engine thread, the other engine thread waits for it at the end of the parallel region,
-so each core-ms they take costs the engine about two. Measured on 2 cores (README "Choosing a
-layout"): the Ray colocated layout kept 0.71-0.78x of the engine alone at concurrency 1 and 8; this
+so each core-ms they take costs the engine about two. Measured on 2 cores (docs/guides/layouts.md): the Ray colocated layout kept 0.71-0.78x of the engine alone at concurrency 1 and 8; this
 layout keeps what the engine alone keeps, less the HTTP work itself. What it gives up is what Ray is
 for: more than one worker, a prefill pool, autoscaling, moving sequences off a dead worker, gRPC
 through Serve's proxy and Prometheus export through Ray; `pdserve serve` refuses those settings here
-rather than ignore them (`ray_only_settings`).
+rather than ignore them (`deployments.layouts.ray_only_settings`).
 
 The same app and backend serve the tests' in-process servers (tests/deployments/test_ingress.py).
 """
@@ -26,14 +25,12 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from deployments.console import print_ready
+
 if TYPE_CHECKING:
     from deployments.config import ServeConfig
     from engine import EngineConfig
 
-# Server settings (beyond every engine setting) that the single-process layout honours; every other
-# one is about Ray's pools, routing, autoscaling or ingress replicas.
-SINGLE_PROCESS_SETTINGS = frozenset({"model_name", "max_queued_requests", "request_timeout_s", "api_key",
-                                     "http_host", "http_port"})
 # The engine thread and the event loop share this process's GIL: the engine takes it back after every
 # torch op, and while the loop holds it (SSE, detokenizing a batch's tokens) it waits up to Python's
 # switch interval, 5 ms by default. At 0.5 ms, a 64-request burst on 2 cores served 422.7 and 444.3
@@ -41,15 +38,6 @@ SINGLE_PROCESS_SETTINGS = frozenset({"model_name", "max_queued_requests", "reque
 GIL_SWITCH_S = 0.0005
 # How long a SIGTERM / Ctrl-C waits for open streams before it cancels them.
 GRACEFUL_SHUTDOWN_S = 5.0
-
-
-def ray_only_settings(settings: dict) -> list[str]:
-    """The settings of `settings` (ServeConfig.from_dict names, aliases resolved by the caller) that
-    only a Ray layout can honour."""
-    from deployments.config import serve_settings
-
-    engine_names = {s.name for s in serve_settings() if s.owner == "engine"}
-    return sorted(k for k in settings if k not in engine_names and k not in SINGLE_PROCESS_SETTINGS)
 
 
 def single_process_engine_config(cfg: ServeConfig) -> EngineConfig:
@@ -83,8 +71,6 @@ def serve_single_process(cfg: ServeConfig) -> None:
     import sys
 
     import uvicorn
-
-    from deployments.serve_cli import print_ready
 
     t0 = time.perf_counter()
     threads = cfg.engine.num_threads or 1

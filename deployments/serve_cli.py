@@ -12,21 +12,18 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 from deployments.config_fields import Kind, Setting, settings_of
+from deployments.console import print_ready, process_map
+from deployments.layouts import cluster_hardware, conflict, local_hardware, ray_only_settings, resolve
 
 if TYPE_CHECKING:
     from deployments.config import ServeConfig
 
 _GROUPS = {"launch": "starting Ray and Serve", "serve": "server", "engine": "engine of every worker",
-           "scaling": "autoscaling and failures (see README \"Scaling and failures\")"}
+           "scaling": "autoscaling and failures (see docs/guides/scaling-and-failures.md)"}
 _METAVARS = {Kind.INT: "N", Kind.FLOAT: "X", Kind.STR: "STR", Kind.RESOURCES: "JSON"}
-# The most cores on which `pdserve serve` picks the single-process layout: there the Ray layouts' own
-# processes take a share of the engine's cores that costs it 20-30% (README "Choosing a layout").
-SINGLE_PROCESS_MAX_CPUS = 4
-
-
 @dataclass(frozen=True, slots=True)
 class LaunchOptions:
     """How `pdserve serve` starts Ray and Serve: command-line flags only, not app settings (in
@@ -39,10 +36,11 @@ class LaunchOptions:
     grpc_port: int = field(default=0, metadata={
         "help": "gRPC port (0: no gRPC service); needs --http-host 0.0.0.0 or ::, since Serve's gRPC proxy "
                 "listens on every interface"})
-    layout: Literal["auto", "single", "ray"] = field(default="auto", metadata={
-        "help": "single: the engine and the HTTP server in this one process, no Ray; ray: Ray Serve with the "
-                "router and worker pools (the layout flags shape them); auto: single on a CPU-only host of at "
-                f"most {SINGLE_PROCESS_MAX_CPUS} cores when no setting asks for Ray, else ray (README \"Choosing a layout\")"})
+    layout: Literal["auto", "single", "colocated", "disagg", "ray"] = field(default="auto", metadata={
+        "help": "single: the HTTP server and one engine in this process, no Ray; colocated: Ray, decode workers "
+                "that prefill too; disagg: Ray, a prefill pool and a decode pool with KV transfer between them; "
+                "auto: the fastest of these for this hardware (docs/guides/layouts.md); ray: deprecated, "
+                "colocated (disagg with --prefill-workers)"})
     cluster_resources: bool = field(default=False, metadata={
         "help": "pin the workers to nodes with the prefill / decode custom resources of cluster.yaml "
                 "(sets prefill_resources / decode_resources unless given)"})
@@ -142,77 +140,9 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-# The settings that make up a layout: given any of them, `pdserve serve` picks none itself.
-LAYOUT_SETTINGS = frozenset({"num_prefill_workers", "num_decode_workers", "num_threads", "worker_num_cpus",
-                             "worker_num_gpus", "prefill_resources", "decode_resources"})
-
-
-class Hardware(NamedTuple):
-    """What `pdserve serve` serves on: CPU cores per node, GPUs in all, nodes, and the CPU's instructions
-    that multiply bf16 matrices in hardware ("AMX", "AVX512-BF16"; "" for none)."""
-
-    cpus: int
-    gpus: int
-    nodes: int = 1
-    cpu_bf16: str = ""
-
-
-# /proc/cpuinfo flag -> the name printed; the first found wins. AMX tiles: 4-6x fp32's rate at
-# SmolLM2's shapes; AVX512-BF16 dot products (Zen 4, Cooper Lake): 2.0-2.3x (README "Choosing a layout").
-BF16_FLAGS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"))
-
-
-def cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> str:
-    """The instructions this CPU multiplies bf16 matrices with ("" for none; Linux: its cpuinfo flags)."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return ""
-    return next((name for flag, name in BF16_FLAGS if flag in flags), "")
-
-
-def local_hardware() -> Hardware:
-    """This host: the cores this process may run on, its CUDA devices, and its bf16 instructions."""
-    import torch
-
-    return Hardware(len(os.sched_getaffinity(0)), torch.cuda.device_count() if torch.cuda.is_available() else 0,
-                    cpu_bf16=cpu_bf16())
-
-
-def cluster_hardware() -> Hardware:
-    """The Ray cluster joined (`--address`): the smallest node's CPUs, every GPU, the nodes."""
-    import ray
-
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    return Hardware(int(min((n.get("CPU", 1) for n in nodes), default=1)),
-                    int(sum(n.get("GPU", 0) for n in nodes)), max(1, len(nodes)))
-
-
-def pick_layout(hw: Hardware) -> tuple[dict[str, Any], str]:
-    """The layout that serves best on `hw` (README "Choosing a layout"), and a line that says it.
-
-    - CPUs only: colocated, one worker per node with a thread per core. Split between two pools, the
-      cores of a small node are lost to whichever pool idles (measured: README).
-    - One GPU: colocated on it (prefill and decode share the device anyway).
-    - Two GPUs or more: disaggregated, half of them prefill workers, the rest decode workers."""
-    if hw.gpus >= 2:
-        prefill = hw.gpus // 2
-        return ({"num_prefill_workers": prefill, "num_decode_workers": hw.gpus - prefill, "worker_num_gpus": 1.0,
-                 "worker_num_cpus": 1.0, "device": "cuda"},
-                f"disaggregated, {prefill} prefill + {hw.gpus - prefill} decode workers, one GPU each")
-    if hw.gpus == 1:
-        return ({"num_prefill_workers": 0, "num_decode_workers": 1, "worker_num_gpus": 1.0, "worker_num_cpus": 1.0,
-                 "device": "cuda"}, "colocated, 1 worker on the GPU")
-    return ({"num_prefill_workers": 0, "num_decode_workers": hw.nodes, "num_threads": hw.cpus,
-             "worker_num_cpus": float(hw.cpus)},
-            f"colocated, {hw.nodes} worker{'s' * (hw.nodes > 1)} x {hw.cpus} thread{'s' * (hw.cpus > 1)}")
-
-
 def ray_reasons(launch: LaunchOptions, settings: dict[str, Any]) -> list[str]:
     """What in the command line only a Ray layout can do (flags as typed); empty: single can serve it."""
     from deployments.config import serve_settings
-    from deployments.local_server import ray_only_settings
 
     flags = {s.name: s.flags[0] for s in serve_settings()}
     out = [flags.get(k, k) for k in ray_only_settings(settings)]
@@ -225,97 +155,48 @@ def ray_reasons(launch: LaunchOptions, settings: dict[str, Any]) -> list[str]:
     return out
 
 
-def picks_single_process(launch: LaunchOptions, settings: dict[str, Any], hw: Hardware) -> bool:
-    """Whether `pdserve serve` serves in one process: told so, or `auto` on a CPU-only host of at most
-    SINGLE_PROCESS_MAX_CPUS cores with nothing in the command line that needs Ray."""
-    if launch.layout != "auto":
-        return launch.layout == "single"
-    on_cpu = hw.gpus == 0 or not str(settings.get("device", "cuda")).startswith("cuda")
-    return on_cpu and hw.cpus <= SINGLE_PROCESS_MAX_CPUS and not ray_reasons(launch, settings)
-
-
-def with_single_process(settings: dict[str, Any], hw: Hardware, picked: bool) -> dict[str, Any]:
-    """`settings` for the single-process layout on `hw`: a torch thread per core unless told, the
-    dtype for `hw`; prints what it picked (`picked`: chosen by `auto`)."""
-    out = dict(settings)
-    out.setdefault("num_threads", hw.cpus)
-    if picked:
-        n = out["num_threads"]
-        print(f"pdserve: layout for {_hardware_text(hw)}: single process, the engine ({n} thread{'s' * (n > 1)}) "
-              "and the HTTP server in this process, no Ray; --layout ray serves through Ray (a colocated worker; "
-              "--prefill-workers 1 --decode-workers 1: disaggregated)", flush=True)
-    return _with_dtype(out, settings, hw)
-
-
-def _hardware_text(hw: Hardware) -> str:
-    gpus = f"{hw.gpus} GPU{'s' * (hw.gpus != 1)}" if hw.gpus else "no GPU"
-    node = f"{hw.nodes} nodes x {hw.cpus}" if hw.nodes > 1 else f"{hw.cpus}"
-    return f"{node} CPU core{'s' * (hw.cpus != 1)}, {gpus}"
-
-
-def pick_dtype(hw: Hardware, device: str) -> str | None:
-    """The dtype `pdserve serve` picks when none is given: bfloat16 on a CPU that multiplies bf16
-    matrices in hardware (AMX, AVX512-BF16), 2-6x faster than fp32 ones (README "Choosing a layout");
-    else None, the engine's `auto` (bfloat16 on CUDA, float32 on other CPUs, which emulate bf16)."""
-    return "bfloat16" if not device.startswith("cuda") and hw.cpu_bf16 else None
-
-
-def with_layout(settings: dict[str, Any], hw: Hardware) -> dict[str, Any]:
-    """`settings` plus the layout picked for `hw` (printed), unless they already say one; and the
-    dtype for `hw` (printed), unless they say one."""
-    if not str(settings.get("device", "cuda")).startswith("cuda"):
-        hw = hw._replace(gpus=0)  # told to run on the CPU
-    out = dict(settings)
-    if not LAYOUT_SETTINGS & settings.keys():
-        layout, text = pick_layout(hw)
-        other = ("--prefill-workers 0 (colocated)" if layout["num_prefill_workers"] else
-                 "--prefill-workers 1 --decode-workers 1 (disaggregated)")
-        print(f"pdserve: layout for {_hardware_text(hw)}: {text}; any layout flag overrides it, e.g. {other}",
-              flush=True)
-        out = {**layout, **settings}
-    return _with_dtype(out, settings, hw)
-
-
-def _with_dtype(out: dict[str, Any], given: dict[str, Any], hw: Hardware) -> dict[str, Any]:
-    if "dtype" not in given and (dtype := pick_dtype(hw, str(out.get("device", "cpu")))):
-        print(f"pdserve: dtype {dtype} (this CPU multiplies bf16 matrices in hardware, {hw.cpu_bf16}); --dtype "
-              "float32 computes in full precision, as transformers' own fp32 generate does", flush=True)
-        out["dtype"] = dtype
-    return out
+def _refusal(layout: str, launch: LaunchOptions, settings: dict[str, Any]) -> str | None:
+    """Why `--layout layout` cannot serve this command line (None: it can)."""
+    if layout == "single" and (why := ray_reasons(launch, settings)):
+        return (f"--layout single serves one engine in this process, without Ray; {', '.join(why)} needs Ray: "
+                "drop it, or pass --layout colocated or --layout disagg")
+    return conflict(layout, settings)
 
 
 def _serve(args: argparse.Namespace) -> int:
     from deployments.config import ServeConfig, direct_ingress_env
 
     launch, settings = split_args(args)
-    cfg = ServeConfig.from_dict(settings)  # a bad setting stops here, before Ray starts (cli.main: exit 2)
+    if launch.layout == "ray":
+        print("pdserve: --layout ray is deprecated: say --layout colocated, or --layout disagg for a prefill "
+              "pool", file=sys.stderr, flush=True)
+    if why := _refusal(launch.layout, launch, settings):
+        print(f"pdserve: {why}", file=sys.stderr)
+        return 2
+    if launch.address:  # a cluster joined: its layout is picked for its nodes
+        import ray
+
+        ray.init(address=launch.address)
+    hw = cluster_hardware() if launch.address else local_hardware()
+    layout, settings = resolve(launch.layout, settings, hw, needs_ray=bool(ray_reasons(launch, settings)))
+    # NOTE: direct ingress unless told otherwise where pdserve starts Ray itself (it can set Ray's
+    # variables) and one ingress replica serves: more would share the proxy's port no more.
+    if layout != "single" and not launch.address and "direct_ingress" not in settings and \
+            (settings.get("ingress_max_replicas") or settings.get("ingress_replicas", 1)) == 1:
+        settings["direct_ingress"] = True
+    cfg = ServeConfig.from_dict(settings)  # the one parse: a bad setting stops here (cli.main: exit 2)
     if why := grpc_bind_error(cfg.http_host, launch.grpc_port):
         print(f"pdserve: {why}", file=sys.stderr)
         return 2
     if not launch.address and (why := http_port_error(cfg.http_host, cfg.http_port)):
         print(f"pdserve: {why}", file=sys.stderr)
         return 2
-    if launch.layout == "single" and (why := ray_reasons(launch, settings)):
-        print(f"pdserve: --layout single serves one engine in this process, without Ray; {', '.join(why)} "
-              "needs Ray: drop it, or pass --layout ray", file=sys.stderr)
-        return 2
-    if not launch.address:
-        hw = local_hardware()
-        if picks_single_process(launch, settings, hw):
-            from deployments.local_server import serve_single_process
+    print(process_map(layout, cfg), flush=True)
+    if layout == "single":
+        from deployments.local_server import serve_single_process
 
-            serve_single_process(ServeConfig.from_dict(
-                with_single_process(settings, hw, picked=launch.layout == "auto")))
-            return 0
-    if not launch.address:  # a cluster joined: its layout is picked once Ray is up (`_start`)
-        settings = with_layout(settings, hw)
-        # NOTE: direct ingress unless told otherwise where pdserve starts Ray itself (it can set Ray's
-        # variables) and one ingress replica serves: more would share the proxy's port no more.
-        if "direct_ingress" not in settings and (cfg.ingress_max_replicas or cfg.ingress_replicas) == 1:
-            settings["direct_ingress"] = True
-            print("pdserve: direct ingress (the ingress replica serves HTTP itself; --no-direct-ingress: through "
-                  "Serve's proxy)", flush=True)
-        cfg = ServeConfig.from_dict(settings)
+        serve_single_process(cfg)
+        return 0
     proxy_port = cfg.http_port
     if cfg.direct_ingress:
         di_env = direct_ingress_env(cfg.http_port, cfg.direct_ingress_ports())
@@ -325,36 +206,31 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         os.environ.update(di_env)
         proxy_port = _free_port(cfg.http_host)
-    _start(launch, cfg, settings, proxy_port)
+    _start(launch, cfg, proxy_port)
     _wait_for_stop()
     return 0
 
 
-def _start(launch: LaunchOptions, cfg: ServeConfig, settings: dict[str, Any], proxy_port: int) -> None:
-    """Start (or join) Ray, start Serve, deploy the HTTP (and gRPC) app, and print where it serves."""
+def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> None:
+    """Start Ray (unless joined), start Serve, deploy the HTTP (and gRPC) app, and print where it serves."""
     import ray
     from ray import serve
 
     from deployments.app import build_app, build_grpc_app
-    from deployments.config import ServeConfig, apply_ray_env_defaults
+    from deployments.config import apply_ray_env_defaults
     from deployments.frontend.grpc_app import grpc_options
 
-    if launch.address:
-        ray.init(address=launch.address)
-        cfg = ServeConfig.from_dict(with_layout(settings, cluster_hardware()))
-    else:
+    if not launch.address:
         apply_ray_env_defaults()
         needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
         ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False)
     serve.start(http_options={"host": cfg.http_host, "port": proxy_port},
                 grpc_options=grpc_options(launch.grpc_port) if launch.grpc_port else None)
     t0 = time.perf_counter()
-    pools = (f"{cfg.num_decode_workers} colocated worker(s) (no prefill pool)" if cfg.colocated else
-             f"{cfg.num_prefill_workers} prefill + {cfg.num_decode_workers} decode workers")
-    print(f"pdserve: starting {pools} for {cfg.served_model_name} ...", flush=True)
-    serve.run(build_app(cfg.to_dict()), name="pdserve", route_prefix="/")
+    print(f"pdserve: starting the workers for {cfg.served_model_name} ...", flush=True)
+    serve.run(build_app(cfg), name="pdserve", route_prefix="/")
     if launch.grpc_port:
-        serve.run(build_grpc_app(cfg.to_dict()), name="pdserve-grpc", route_prefix="/pdserve-grpc")
+        serve.run(build_grpc_app(cfg), name="pdserve-grpc", route_prefix="/pdserve-grpc")
     url = f"http://{cfg.http_host}:{cfg.http_port}"
     print_ready(url, cfg.served_model_name, time.perf_counter() - t0)
     if launch.grpc_port:
@@ -363,13 +239,6 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, settings: dict[str, Any], pr
     if cfg.direct_ingress:
         print(f"  direct ingress: the ingress replica serves {url}; Serve's proxy is on port {proxy_port}",
               flush=True)
-
-
-def print_ready(url: str, model_name: str, took_s: float) -> None:
-    print(f"pdserve: ready in {took_s:.0f}s at {url}/v1  (model: {model_name})", flush=True)
-    print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'",
-          flush=True)
 
 
 def _wait_for_stop() -> None:

@@ -17,7 +17,7 @@ from engine.logprobs import attach_logprobs, record_prompt_logprobs
 from engine.model_loader import load_model_and_tokenizer
 from engine.kv_pool import kv_pool_blocks
 from engine.model_runner import ModelRunner
-from engine.request import Request, RequestOutput, RequestStatus, extend_block_keys
+from engine.request import Request, RequestOutput, RequestStatus
 from engine.device_sampler import sample_on_device
 from engine.sampler import SampleResult
 from engine.stop_strings import hit_stop_string
@@ -198,93 +198,6 @@ class LLMEngine:
         if self.speculator is None:
             return SpecStats(self.config.speculative_method)
         return replace(self.speculator.stats)
-
-    # ------------------------------------------------------------------ disaggregation hooks
-    def release_prefilled(self, request_id: str) -> bool:
-        """Free the KV blocks a prefill-only request kept for export."""
-        self._requests.pop(request_id, None)
-        return self.scheduler.release_prefilled(request_id)
-
-    def prefilled_block_ids(self, request_id: str) -> list[int]:
-        return list(self.scheduler.prefilled[request_id].block_table)
-
-    def allocate_blocks(self, num_tokens: int, contiguous: bool = False) -> list[int] | None:
-        """Blocks to receive `num_tokens` tokens of imported KV, or None if they are not free.
-        `contiguous`: one run of consecutive ids if the pool has one (else any free blocks)."""
-        n = self.block_manager.blocks_for_tokens(num_tokens)
-        if not self.block_manager.can_allocate(n):
-            return None
-        if contiguous:
-            run = self.block_manager.allocate_contiguous(n)
-            if run is not None:
-                return run
-        return self.block_manager.allocate(n)
-
-    def free_blocks(self, block_ids: list[int]) -> None:
-        self.block_manager.free(block_ids)
-
-    def pin_computed_blocks(self, request_id: str, max_tokens: int, first_block: int = 0) -> list[int]:
-        """A reference on each full block of `request_id`'s first `max_tokens` tokens whose KV is
-        computed, from block `first_block` on, so it survives the request (to export a copy);
-        `free_blocks` drops it. [] if there is none or the request is not running here."""
-        req = self._requests.get(request_id)
-        if req is None or req.status is not RequestStatus.RUNNING:
-            return []
-        n = min(max_tokens, req.num_computed_tokens) // self.block_manager.block_size
-        block_ids = list(req.block_table[first_block:n])
-        self.block_manager.incref(block_ids)
-        return block_ids
-
-    def take_cached_blocks(self, token_ids: list[int], max_tokens: int | None = None,
-                           cache_salt: str | None = None) -> list[int]:
-        """A reference on each cached block of the longest cached prefix of `token_ids` (full blocks,
-        at most `max_tokens` tokens), so it can be exported (a decode worker fetching a prefix this
-        engine holds); `free_blocks` drops it. [] when nothing is cached."""
-        if not self.config.enable_prefix_caching:
-            return []
-        bs = self.block_manager.block_size
-        n = len(token_ids[:max_tokens]) // bs
-        block_ids = self.block_manager.lookup(extend_block_keys([], token_ids, n, bs, cache_salt)) if n else []
-        self.block_manager.take(block_ids)
-        return block_ids
-
-    def cache_blocks(self, token_ids: list[int], block_ids: list[int], first_block: int = 0,
-                     cache_salt: str | None = None) -> int:
-        """Imported KV into the prefix cache: `block_ids` (from `allocate_blocks`) hold the full blocks
-        `first_block`, `first_block` + 1, ... of `token_ids`. Each is registered under its key (unless
-        that key is cached already), then freed: cached and free, like a finished request's blocks.
-        Returns how many were registered."""
-        bs = self.block_manager.block_size
-        keys = extend_block_keys([], token_ids, first_block + len(block_ids), bs, cache_salt)[first_block:]
-        assert len(keys) == len(block_ids), f"{len(block_ids)} blocks but {len(keys)} full blocks of tokens"
-        before = self.block_manager.num_cached_blocks
-        if self.config.enable_prefix_caching:
-            for b, key in zip(block_ids, keys):
-                self.block_manager.register(b, key)
-        self.block_manager.free(block_ids)
-        return self.block_manager.num_cached_blocks - before
-
-    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
-                              params: SamplingParams, block_ids: list[int], num_computed_tokens: int,
-                              priority: int = 0, generator_state: torch.Tensor | None = None,
-                              cache_salt: str | None = None, num_resumed_output: int = 0) -> None:
-        """Resume decoding a request whose first `num_computed_tokens` tokens of KV are already in
-        `block_ids` (allocated with `allocate_blocks`). The engine owns the blocks from now on. A grammar
-        continues after `output_token_ids`; prompt logprobs are not computed again (they came with it)."""
-        check_cache_salt(cache_salt)
-        resumed = _resumed_tail(prompt_token_ids, num_resumed_output)
-        req = Request(request_id, list(prompt_token_ids), params, priority=priority,
-                      sample_seed=self._new_sample_seed(params), cache_salt=cache_salt, prompt_logprobs_sent=True,
-                      grammar=self.grammars.state_for(params, resumed + list(output_token_ids)),
-                      num_resumed_output=len(resumed))
-        if generator_state is not None and req.generator is not None:
-            req.generator.set_state(generator_state)
-        req.output_token_ids = list(output_token_ids)
-        req.block_table = list(block_ids)
-        req.num_computed_tokens = num_computed_tokens
-        assert num_computed_tokens < req.num_tokens, "nothing left to decode"
-        self._requests[request_id] = req
-        self.scheduler.add_running(req)
 
     # ------------------------------------------------------------------ the loop
     def has_unfinished_requests(self) -> bool:

@@ -28,7 +28,7 @@ class LeaseTable:
     """Grants, validates and ends leases on prefilled requests' KV blocks. Thread-safe.
 
     `release(request_id)` is called exactly once per granted request, when its lease ends for any
-    reason (ack, expiry, explicit release); pass e.g. `engine.release_prefilled`, wrapped in the
+    reason (ack, expiry, explicit release); pass e.g. `KVLending(engine).release_prefilled`, wrapped in the
     engine's lock if the engine steps on another thread. It is called without this table's lock held.
     """
 

@@ -1,9 +1,9 @@
-"""README.md's settings tables, made from the settings dataclasses (their fields' help metadata).
+"""docs/reference/settings.md's settings tables, made from the settings dataclasses (their fields' help metadata).
 
-    .venv/bin/python scripts/settings_tables.py          # rewrite the tables in README.md
-    .venv/bin/python scripts/settings_tables.py --check  # exit 1 if README.md is stale
+    .venv/bin/python scripts/settings_tables.py          # rewrite the tables in docs/reference/settings.md
+    .venv/bin/python scripts/settings_tables.py --check  # exit 1 if docs/reference/settings.md is stale
 
-Each table sits between `<!-- settings:NAME -->` and `<!-- /settings:NAME -->` in README.md;
+Each table sits between `<!-- settings:NAME -->` and `<!-- /settings:NAME -->` in docs/reference/settings.md;
 tests/deployments/test_config.py fails while one is stale."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+SETTINGS_DOC = Path(__file__).resolve().parents[1] / "docs" / "reference" / "settings.md"
 
 
 def render() -> dict[str, str]:
@@ -34,27 +34,27 @@ def render() -> dict[str, str]:
 
 
 def update(text: str) -> str:
-    """`text` (README.md) with every marked table replaced by its rendering."""
+    """`text` (the settings doc) with every marked table replaced by its rendering."""
     for name, table in render().items():
         pattern = re.compile(rf"(<!-- settings:{name} -->\n).*?(<!-- /settings:{name} -->)", re.S)
         if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- settings:{name} --> ... <!-- /settings:{name} --> block")
+            raise SystemExit(f"{SETTINGS_DOC.name} has no <!-- settings:{name} --> ... <!-- /settings:{name} --> block")
         text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
     return text
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="only check; exit 1 if README.md is stale")
+    p.add_argument("--check", action="store_true", help="only check; exit 1 if the doc is stale")
     args = p.parse_args()
-    old = README.read_text()
+    old = SETTINGS_DOC.read_text()
     new = update(old)
     if args.check:
         if new != old:
-            print("README.md's settings tables are stale: run scripts/settings_tables.py", file=sys.stderr)
+            print(f"{SETTINGS_DOC}'s settings tables are stale: run scripts/settings_tables.py", file=sys.stderr)
             return 1
         return 0
-    README.write_text(new)
+    SETTINGS_DOC.write_text(new)
     return 0
 
 

@@ -82,17 +82,17 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         metrics.record_kv_pull(self.worker_id, handle.nbytes, time.perf_counter() - t0)
         with self.lock:
             if self._aborted.take(req) or ray.get_runtime_context().is_canceled():  # the router gave up on it
-                self.engine.free_blocks(block_ids)
+                self.lending.free_blocks(block_ids)
                 return Admission(True)
             try:
-                self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
+                self.lending.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
                                                   req.params, block_ids, handle.num_tokens, priority=req.priority,
                                                   cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output)
             except ValueError as exc:  # the engine refuses it: it cannot start anywhere (fails at once)
-                self.engine.free_blocks(block_ids)
+                self.lending.free_blocks(block_ids)
                 return Admission(False, str(exc) or type(exc).__name__)
             self.requests[req.request_id] = req
-        self._wake.set()
+        self.host.wake()
         return Admission(True)
 
     def resume(self, req: GenRequest, backup: BackupTo | None = None, fetch: FetchFrom | None = None) -> Admission:
@@ -114,7 +114,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         with self.lock:
             if fetched:
                 bs = self.engine.block_manager.block_size
-                self.engine.cache_blocks(req.prompt_token_ids[:len(fetched) * bs], fetched, cache_salt=req.cache_salt)
+                self.lending.cache_blocks(req.prompt_token_ids[:len(fetched) * bs], fetched, cache_salt=req.cache_salt)
             if self._aborted.take(req) or ray.get_runtime_context().is_canceled():  # while its prefix came
                 return Admission(True)
             try:
@@ -127,7 +127,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             self.requests[req.request_id] = req
             if backup is not None:
                 self._backups[req.request_id] = backup
-        self._wake.set()
+        self.host.wake()
         return Admission(True)
 
     def _fetch_prefix(self, req: GenRequest, src: FetchFrom) -> list[int]:
@@ -209,7 +209,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         target = self._backups.pop(req.request_id)
         if out.finished:
             return None
-        block_ids = self.engine.pin_computed_blocks(req.request_id, len(req.prompt_token_ids), target.first_block)
+        block_ids = self.lending.pin_computed_blocks(req.request_id, len(req.prompt_token_ids), target.first_block)
         if not block_ids:
             return None
         handle = self._grant_pinned(f"{req.request_id}@kv-backup-{next(self._lease_ids)}", block_ids,

@@ -1,15 +1,15 @@
-"""The engine worker base: one `LLMEngine` stepped by one background thread, inside a Ray actor.
+"""The engine worker base: one `LLMEngine` on an `EngineHost` (deployments/engine_host.py), inside a
+Ray actor.
 
 `PrefillWorker` (prefill_worker.py) and `DecodeWorker` (decode_worker.py) build on it. Actor methods run
-on Ray's thread pool (max_concurrency) and touch the engine only under `self.lock`, except
-block-manager calls, which may also run during a step's forward pass (`_on_blocks`). Tokens go straight
+on Ray's thread pool (max_concurrency) and touch the engine only under `self.lock` (the host's),
+except block-manager calls, which may also run during a step's forward pass (`_on_blocks`). Tokens go straight
 to the ingress replica's StreamHub (over hub_wire.py's socket); the decode worker's router reports
 follow changes, not steps (decode_worker.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
@@ -26,14 +26,16 @@ from deployments.cluster.core_share import CoreShare, node_cores, share_dir
 from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
 from deployments.config import ServeConfig
+from deployments.engine_host import EngineHost, HostHooks
 from deployments.frontend.hub_wire import HubAddress, HubClient, hub_client
-from engine import LLMEngine, RequestOutput, thread_team
+from engine import LLMEngine, RequestOutput
+from engine.kv_lending import KVLending
 from engine.device_health import is_device_fatal
 from kv_transfer import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
 
-# An idle worker's loop wakes this often (work wakes it at once: `_wake`): to free the blocks of
+# An idle worker's loop wakes this often (work wakes it at once: `host.wake`): to free the blocks of
 # leases that ended while it was busy, reap expired ones, and record its load. At 0.02 s an idle
 # worker cost ~1% of a core, taken from a busy one on the same cores (a disaggregated CPU node).
 IDLE_WAIT_S = 0.25
@@ -107,11 +109,13 @@ class EngineWorker:
         self.config = config
         self.router = router
         self.engine = LLMEngine(config.engine_config(self.role.value))
-        self.lock = threading.RLock()
-        # The forward pass of a step holds `lock` but touches no block-manager state: `_on_blocks`
-        # runs a block-manager call meanwhile instead of after the step (seconds on a CPU thread).
-        self._window = threading.Lock()
-        self._in_forward = False
+        self.lending = KVLending(self.engine)  # the engine's side of KV transfer
+        on_cpu = torch.device(self.engine.config.device).type == "cpu"
+        share = _node_core_share(worker_id, config) if on_cpu and config.share_node_cores else None
+        self.host = EngineHost(self.engine, worker_id, HostHooks(
+            after_step=self._stepped, step_failed=self._step_failed, before_step=self._settle,
+            idle=self._idle_and_record), share=share, idle_wait_s=IDLE_WAIT_S, exit_on_device_loss=True)
+        self.lock = self.host.lock
         # Blocks this worker holds a reference on for an export (`KVExporter.grant_blocks`), by lease.
         self._pinned: dict[str, list[int]] = {}
         self._lease_ids = itertools.count()
@@ -119,23 +123,23 @@ class EngineWorker:
         # worker prefilled itself (`PrefillWorker.kv_backup`).
         self.kv_importer = KVImporter(worker_id, self.engine, engine_lock=self.lock,
                                       timeout_s=config.kv_transfer_timeout_s, on_blocks=self._on_blocks)
-        self._wake = threading.Event()
         self._closed = threading.Event()
-        self._alive = True
         self.requests: dict[str, GenRequest] = {}
-        self.num_steps = 0
         self.num_orphans = 0  # requests aborted here because their client was gone (`_sweep_orphans`)
         self._swept: dict[str, GenRequest] = {}  # the requests held at the last sweep
-        self._thread = threading.Thread(target=self._loop, name=f"{worker_id}-loop", daemon=True)
-        # The loop thread alone opens OpenMP teams (engine/thread_team.py): a second team, e.g. this
-        # thread's from loading the model or a pool thread's from a KV copy, slowed every step 30%.
-        self._team = thread_team.confine(self.engine.config.device, config.engine.num_threads)
-        self._share = _node_core_share(worker_id, config) if self._team and config.share_node_cores else None
-        self.max_step_threads = self._team.num_threads if self._team else 0  # the most a step has used
+
+    @property
+    def num_steps(self) -> int:
+        return self.host.num_steps
+
+    @property
+    def max_step_threads(self) -> int:
+        """The most threads a step has used (its share of the node's cores)."""
+        return self.host.max_step_threads
 
     def _start(self) -> None:
         """Subclasses call this last in __init__, once everything the loop touches exists."""
-        self._thread.start()
+        self.host.start()
         threading.Thread(target=self._orphan_loop, name=f"{self.worker_id}-orphans", daemon=True).start()
 
     # ------------------------------------------------------------------ requests whose client is gone
@@ -181,42 +185,18 @@ class EngineWorker:
             self.router.abort.remote(req.request_id)  # the router forgets it (if it still tracks it)
         return aborted
 
-    @contextlib.contextmanager
-    def _forward(self):
-        """Entered by the loop (holding `lock`) around a step's forward pass."""
-        with self._window:
-            self._in_forward = True
-        try:
-            yield
-        finally:
-            with self._window:
-                self._in_forward = False
-
     def _on_blocks(self, fn: Callable[[], T], timeout_s: float | None = None) -> T:
-        """Run `fn`, which may only call the engine's block-manager methods (allocate, free, take or
-        cache blocks; nothing about requests), under the engine lock, or during the forward pass of
-        the step that holds it. TimeoutError after `timeout_s`."""
-        timeout_s = timeout_s or self.config.kv_transfer_timeout_s
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.lock.acquire(timeout=0.005):
-                try:
-                    return fn()
-                finally:
-                    self.lock.release()
-            with self._window:
-                if self._in_forward:  # the loop holds the lock, inside the forward pass
-                    return fn()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.worker_id}: engine busy for {timeout_s}s")
+        """Run `fn`, which may only call the engine's block-manager methods, under the engine lock or
+        during a step's forward pass (`EngineHost.on_blocks`). TimeoutError after `timeout_s`."""
+        return self.host.on_blocks(fn, timeout_s or self.config.kv_transfer_timeout_s)
 
     def _free_lease(self, lease_id: str) -> None:
         """`KVExporter`'s `free`: drop a lease's blocks (caller holds the lock)."""
         blocks = self._pinned.pop(lease_id, None)
         if blocks is not None:
-            self.engine.free_blocks(blocks)
+            self.lending.free_blocks(blocks)
         else:
-            self.engine.release_prefilled(lease_id)
+            self.lending.release_prefilled(lease_id)
 
     # ------------------------------------------------------------------ actor API
     def info(self) -> WorkerInfo:
@@ -251,8 +231,7 @@ class EngineWorker:
                     "num_cached_tokens": self.engine.scheduler.num_cached_tokens}
 
     def shutdown(self) -> None:
-        self._alive = False
-        self._wake.set()
+        self.host.stop(timeout_s=0.0)
         self._closed.set()
 
     def num_requests(self) -> int:
@@ -295,56 +274,23 @@ class EngineWorker:
         bs = self.engine.block_manager.block_size
         return self.kv_exporter.grant_blocks(lease_id, block_ids, len(block_ids) * bs, peer=peer)
 
-    def _loop(self) -> None:
-        if self._team:
-            self._team.own()
-        try:
-            self._steps()
-        finally:
-            if self._share:
-                self._share.close()
+    def _idle_and_record(self) -> None:
+        self._idle()
+        with self.lock:
+            metrics.record_load(self.role.value, self.worker_id, self.engine)
 
-    def _steps(self) -> None:
-        threads = self._team.num_threads if self._team else 0
-        while self._alive:
-            with self.lock:
-                busy = self.engine.has_unfinished_requests()
-            if self._share:
-                newly_busy = busy and not self._share.busy
-                self._share.set_busy(busy)
-                if busy:
-                    n = self._share.threads()
-                    self._share.claim(n, newly_busy)
-                    if n != threads:
-                        self._team.resize(n)
-                        threads = n
-                        self.max_step_threads = max(self.max_step_threads, n)
-            if not busy:
-                self._idle()
-                with self.lock:
-                    metrics.record_load(self.role.value, self.worker_id, self.engine)
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
-                continue
-            try:
-                with self.lock:
-                    self._settle()
-                    outs = self.engine.step(forward=self._forward())
-                    stats = self.engine.last_step
-                    metrics.record_step(self.role.value, self.worker_id, stats, self.engine)
-                self.num_steps += 1
-                self._after_step(outs, stats)
-            except Exception as exc:  # noqa: BLE001 - a broken step must not kill the worker silently
-                logger.exception("%s: step failed", self.worker_id)
-                self._exit_if_device_broken(exc)
-                # NOTE: the client sees a generic message; the exception text stays in the worker's log.
-                self._fail_all(f"generation failed: the {self.role.value} step failed ({type(exc).__name__})")
+    def _stepped(self, outs: list[RequestOutput], stats) -> None:
+        with self.lock:
+            metrics.record_step(self.role.value, self.worker_id, stats, self.engine)
+        self._after_step(outs, stats)
+
+    def _step_failed(self, exc: BaseException) -> None:
+        # NOTE: the client sees a generic message; the exception text stays in the worker's log.
+        self._fail_all(f"generation failed: the {self.role.value} step failed ({type(exc).__name__})")
 
     def _exit_if_device_broken(self, exc: BaseException) -> None:
-        """A sticky device error (a broken CUDA context) fails every later step too: exit the process,
-        so the router sees a death and moves this worker's requests (their greedy output unchanged)
-        instead of failing them all, step after step. `os._exit`: this runs in the loop thread, and the
-        way out must not make more calls on the broken device."""
+        """A sticky device error (a broken CUDA context) on a KV channel: exit the process, so the router
+        sees a death and moves this worker's requests (a failed step does the same: `EngineHost`)."""
         if is_device_fatal(exc, self.engine.config.device):
             logger.critical("%s: device context broken (%r); exiting so the work moves elsewhere",
                             self.worker_id, exc)

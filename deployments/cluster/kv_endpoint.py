@@ -12,7 +12,7 @@ channel of its own. Below, "prefill" and "decode" name the usual direction.
     allocate blocks (ReceiverOutOfBlocksError)
     lock channel; exporter.kv_push(handle, me) -------->  pin lease, send header + blocks, wait ack
     receive, check header, unpack, ack  --------------->  release_prefilled(request) on ack
-    return block ids -> engine.add_prefilled_request
+    return block ids -> KVLending.add_prefilled_request
 
 Any failure raises a `kv_transfer.KVTransferError` subclass on the decode side with the blocks on both
 sides freed (the exporter frees on its own failures; a pull that fails before the push starts tells
@@ -32,7 +32,7 @@ calls: `max_concurrency` >= 2 plus the number of peers, since `kv_push` blocks f
         def admit(self, req, handle, prefill_actor):
             block_ids = self.kv_importer.pull(handle, prefill_actor)
             with self.lock:
-                engine.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
+                self.lending.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
                                              req.params, block_ids, handle.num_tokens)
 """
 
@@ -47,6 +47,7 @@ from typing import Any, Callable
 import ray
 
 from engine import LLMEngine, RequestOutput
+from engine.kv_lending import KVLending
 from kv_transfer.nccl import pin_interface
 from kv_transfer import (KVHandle, KVLayout, KVReceiver, KVSender, KVTransferError, LeaseTable, PeerDiedError,
                          TransferTimeoutError, make_transport)
@@ -79,7 +80,7 @@ class KVExporter:
         `release_prefilled`; a decode worker exporting a copy of blocks it pinned passes its own)."""
         self.worker_id = worker_id
         self._engine, self._lock = engine, engine_lock or threading.RLock()
-        self._free = free or engine.release_prefilled
+        self._free = free or KVLending(engine).release_prefilled
         self._ended: collections.deque[str] = collections.deque()  # leases ended, blocks not yet freed
         kv_cache = engine.runner.kv_cache
         # per peer: gloo for a CPU cache; NCCL, or staged gloo for a peer on the same GPU, for a CUDA one
@@ -200,6 +201,7 @@ class KVImporter:
         under `engine_lock`. A worker passes one that may run it during its step's forward pass."""
         self.worker_id = worker_id
         self._engine, self._lock = engine, engine_lock or contextlib.nullcontext()
+        self._lending = KVLending(engine)
         self._on_blocks = on_blocks or self._locked
         self.timeout_s = timeout_s
         self.transport = _transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s,
@@ -215,12 +217,12 @@ class KVImporter:
 
     def _allocate(self, num_tokens: int) -> list[int] | None:
         try:
-            return self._on_blocks(lambda: self._engine.allocate_blocks(num_tokens, contiguous=True))
+            return self._on_blocks(lambda: self._lending.allocate_blocks(num_tokens, contiguous=True))
         except TimeoutError as e:
             raise TransferTimeoutError(f"no KV blocks to receive into: {e}") from None
 
     def _free(self, block_ids: list[int]) -> None:
-        self._on_blocks(lambda: self._engine.free_blocks(block_ids))
+        self._on_blocks(lambda: self._lending.free_blocks(block_ids))
 
     def connect(self, peer: str, exporter: ray.actor.ActorHandle, timeout_s: float | None = None) -> None:
         """Open the channel to exporter `peer` now, so that the first pull from it does not pay for the
@@ -249,7 +251,7 @@ class KVImporter:
 
         `exporter` is the actor (with `KVExportMixin`) named by `handle.worker_id`. When this returns
         the exporter has our ack and frees its copy on its own; hand the ids to
-        `engine.add_prefilled_request`. Raises a
+        `KVLending.add_prefilled_request`. Raises a
         `KVTransferError` subclass, with nothing held on either side, if the request must be re-prefilled.
         """
         timeout_s = timeout_s or self.timeout_s

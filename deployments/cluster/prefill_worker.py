@@ -58,7 +58,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
             logger.info("%s: KV backup of %s not taken: %r", self.worker_id, request_id, exc)
             return 0
         with self.lock:
-            n = self.engine.cache_blocks(token_ids, block_ids, first_block, cache_salt=cache_salt)
+            n = self.lending.cache_blocks(token_ids, block_ids, first_block, cache_salt=cache_salt)
         self.router.on_kv_backup.remote(self.worker_id, request_id, len(token_ids), handle.num_tokens)
         return n
 
@@ -68,7 +68,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
         tokens) for decode worker `peer_id` to pull: a moved sequence resumes there and recomputes only
         the rest (`DecodeWorker.resume`). Does not wait for the step under way. None if nothing is cached."""
         try:
-            block_ids = self._on_blocks(lambda: self.engine.take_cached_blocks(token_ids, max_tokens, cache_salt))
+            block_ids = self._on_blocks(lambda: self.lending.take_cached_blocks(token_ids, max_tokens, cache_salt))
         except TimeoutError:
             return None
         if not block_ids:
@@ -88,7 +88,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
             self.router.on_finished.remote(self.worker_id, req.request_id)
             return
-        self._wake.set()
+        self.host.wake()
 
     def _forget(self, request_id: str) -> None:
         """Drop what an earlier attempt of `request_id` left here (caller holds the lock): the router
@@ -135,7 +135,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
             if req is None:  # aborted while its step ran
                 if out.finish_reason == "prefilled":
                     with self.lock:
-                        self.engine.release_prefilled(out.request_id)
+                        self.lending.release_prefilled(out.request_id)
                 continue
             ev = StreamEvent(req.request_id, req.offset, list(out.new_token_ids),
                              num_prompt_tokens=req.num_original_prompt_tokens,

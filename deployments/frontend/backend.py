@@ -2,13 +2,13 @@
 
 The HTTP app and the gRPC door both consume it through `text_stream.TextStream`. Two implementations
 share the protocol:
-- `LocalEngineBackend` (here): one `LLMEngine` stepped by one background thread in this process
-  ("colocated" mode; what tests/deployments/test_ingress.py and test_grpc.py use).
+- `LocalEngineBackend` (here): one `LLMEngine` on an `EngineHost` (deployments/engine_host.py) in
+  this process (the single-process layout; what tests/deployments/test_ingress.py and test_grpc.py use).
 - `RouterBackend` (router_client.py): prefill and decode pools behind the Ray router.
 
 ```
- event loop(s)                         engine thread (owns the LLMEngine)
- generate() ──register stream──▶ _commands ──▶ add_request / abort / call
+ event loop(s)                         engine thread (EngineHost: owns the LLMEngine)
+ generate() ──register stream──▶ host.post ──▶ add_request / abort / call
    ▲                                               │ step()
    └── asyncio.Queue ◀── call_soon_threadsafe ◀────┘ RequestOutputs → TokenDelta
 ```
@@ -20,10 +20,12 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
-from engine import InvalidRequestError, LLMEngine, SamplingParams, thread_team
+from deployments.engine_host import EngineHost, HostHooks
+from engine import InvalidRequestError, LLMEngine, SamplingParams
 
 if TYPE_CHECKING:
     from engine.request import TokenLogprob
@@ -31,6 +33,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# An idle engine checks its KV cache's integrity this often (mini-sglang's habit: leaks show early).
+IDLE_CHECK_S = 1.0
 
 
 @dataclass(slots=True)
@@ -103,23 +107,11 @@ class _Stream:
     num_prompt_tokens: int = 0
 
 
-@dataclass(slots=True)
-class _Command:
-    kind: str  # "add" | "abort" | "call"
-    request_id: str = ""
-    prompt_token_ids: list[int] = field(default_factory=list)
-    params: SamplingParams | None = None
-    priority: int = 0
-    cache_salt: str | None = None
-    fn: Callable[[LLMEngine], Any] | None = None
-    future: concurrent.futures.Future | None = None
-
-
 class LocalEngineBackend:
     """Runs one `LLMEngine` on a background thread and streams its outputs to asyncio callers.
 
-    NOTE: only the engine thread touches the engine; callers hand it commands (add, abort, call) that
-    it applies between steps, so a step never blocks an event loop. Use `run_on_engine` to inspect the
+    NOTE: only the engine thread touches the engine; callers post it commands (add, abort, call) that
+    it applies between steps (`EngineHost.post`), so a step never blocks an event loop. Use `run_on_engine` to inspect the
     engine safely from outside (tests: `check_integrity`).
 
     max_num_requests: at most this many requests in flight (queued or running); more raise
@@ -139,18 +131,14 @@ class LocalEngineBackend:
         self.request_timeout_s = request_timeout_s
         self.retry_after_s = retry_after_s
         self.idle_integrity_check = idle_integrity_check
-        self._cv = threading.Condition()
-        # Both guarded by _cv.
-        self._commands: list[_Command] = []
-        self._streams: dict[str, _Stream] = {}
+        self._cv = threading.Lock()
+        self._streams: dict[str, _Stream] = {}  # guarded by _cv
         self._closed = False
-        self.num_steps = 0
-        self.last_error: str | None = None
-        # Only the engine thread opens OpenMP teams (engine/thread_team.py); `shutdown` gives the
-        # process its thread count back.
-        self._team = thread_team.confine(engine.config.device, engine.config.num_threads)
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
-        self._thread.start()
+        self._idle_since: float | None = None  # engine thread only
+        self.host = EngineHost(engine, "pdserve", HostHooks(after_step=self._deliver_step, step_failed=self._step_failed,
+                                                           idle=self._idle_check, closing=self._close_all),
+                               idle_wait_s=IDLE_CHECK_S)
+        self.host.start()
 
     # ------------------------------------------------------------------ GenerateBackend
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -171,8 +159,8 @@ class LocalEngineBackend:
                 raise QueueFullError(f"server busy: {queued} requests queued (max_queued_requests "
                                      f"{self.max_queued_requests}); retry later", self.retry_after_s)
             self._streams[request_id] = stream
-            self._commands.append(_Command("add", request_id, list(prompt_token_ids), params, priority, cache_salt))
-            self._cv.notify()
+            ids = list(prompt_token_ids)
+            self.host.post(lambda eng: self._add(eng, request_id, ids, params, priority, cache_salt))
         finished = False
         try:
             while not finished:
@@ -210,7 +198,7 @@ class LocalEngineBackend:
 
     async def health(self) -> dict:
         eng = self.engine
-        alive = self._thread.is_alive() and not self._closed
+        alive = self.host.alive and not self._closed
         return {
             "status": "ok" if alive and self.last_error is None else "unhealthy",
             "engine_thread_alive": alive,
@@ -229,97 +217,65 @@ class LocalEngineBackend:
         """Requests in flight: accepted by `generate` and neither finished nor aborted."""
         return len(self._streams)
 
+    @property
+    def num_steps(self) -> int:
+        return self.host.num_steps
+
+    @property
+    def last_error(self) -> str | None:
+        return self.host.last_error
+
+    @last_error.setter
+    def last_error(self, value: str | None) -> None:
+        self.host.last_error = value
+
     def run_on_engine(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run `fn(engine)` on the engine thread between steps; the future holds its result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the engine backend is shut down")
-            self._commands.append(_Command("call", fn=fn, future=fut))
-            self._cv.notify()
-        return fut
+        if self._closed:
+            raise RuntimeError("the engine backend is shut down")
+        return self.host.post(fn)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything in flight and stop the engine thread."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        self._thread.join(timeout_s)
-        if self._team:
-            self._team.give_back()
-            self._team = None
+        self._closed = True
+        self.host.stop(timeout_s)
 
     def _abort_nowait(self, request_id: str) -> None:
         # Synchronous on purpose: callable from a cancelled task's `finally` without awaiting.
         with self._cv:
             if self._streams.pop(request_id, None) is None:
                 return  # finished or never known
-            self._commands.append(_Command("abort", request_id))
-            self._cv.notify()
+        if not self._closed:
+            self.host.post(lambda eng: eng.abort(request_id))
 
-    # ------------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        if self._team:
-            self._team.own()
-        eng = self.engine
-        while True:
+    # ------------------------------------------------------------------ engine thread (HostHooks)
+    def _add(self, eng: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             priority: int, cache_salt: str | None) -> None:
+        with self._cv:
+            live = request_id in self._streams
+        if not live:
+            return  # aborted before it reached the engine
+        try:
+            eng.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        except Exception as e:  # InvalidRequestError and friends: raised by generate()
             with self._cv:
-                while not self._commands and not self._closed and not eng.has_unfinished_requests():
-                    if not self._cv.wait(timeout=1.0) and self.idle_integrity_check:
-                        self._idle_check()
-                commands, self._commands = self._commands, []
-                closed = self._closed
-            for cmd in commands:
-                self._apply(cmd)
-            if closed:
-                self._fail_all("abort", None)
-                return
-            if not eng.has_unfinished_requests():
-                continue
-            try:
-                outputs = eng.step()
-            except Exception as e:  # a bug or a device failure: fail every request, keep serving
-                logger.exception("engine step failed")
-                self.last_error = f"{type(e).__name__}: {e}"
-                self._fail_all("error", self.last_error)
-                continue
-            self.num_steps += 1
-            if not outputs and eng.last_step.num_seqs == 0:
-                # NOTE: the scheduler held its batch back (static/dynamic batching waits to fill):
-                # nap instead of spinning, but wake at once for new commands.
-                with self._cv:
-                    if not self._commands and not self._closed:
-                        self._cv.wait(timeout=0.005)
-            for out in outputs:
-                self._deliver(out.request_id, TokenDelta(
-                    list(out.new_token_ids), out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
-                    out.num_cached_tokens, _list_or_none(out.logprobs), out.prompt_logprobs))
+                stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                self._post(stream, e)
 
-    def _apply(self, cmd: _Command) -> None:
-        eng = self.engine
-        if cmd.kind == "add":
-            with self._cv:
-                live = cmd.request_id in self._streams
-            if not live:
-                return  # aborted before it reached the engine
-            try:
-                eng.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
-                                cache_salt=cmd.cache_salt)
-            except Exception as e:  # InvalidRequestError and friends: raised by generate()
-                with self._cv:
-                    stream = self._streams.pop(cmd.request_id, None)
-                if stream is not None:
-                    self._post(stream, e)
-        elif cmd.kind == "abort":
-            eng.abort(cmd.request_id)
-        elif cmd.kind == "call":
-            assert cmd.fn is not None and cmd.future is not None
-            try:
-                cmd.future.set_result(cmd.fn(eng))
-            except BaseException as e:
-                cmd.future.set_exception(e)
-        else:
-            raise AssertionError(f"unknown command {cmd.kind!r}")
+    def _deliver_step(self, outputs: list, _stats: Any) -> None:
+        self._idle_since = None
+        for out in outputs:
+            self._deliver(out.request_id, TokenDelta(
+                list(out.new_token_ids), out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
+                out.num_cached_tokens, _list_or_none(out.logprobs), out.prompt_logprobs))
+
+    def _step_failed(self, _exc: BaseException) -> None:
+        # A bug or a device failure: fail every request, keep serving.
+        self._fail_all("error", self.last_error)
+
+    def _close_all(self) -> None:
+        self._fail_all("abort", None)
 
     def _deliver(self, request_id: str, delta: TokenDelta) -> None:
         with self._cv:
@@ -344,6 +300,14 @@ class LocalEngineBackend:
             self._post(stream, TokenDelta([], True, finish_reason, error, stream.num_prompt_tokens))
 
     def _idle_check(self) -> None:
+        """Once the engine has been idle for a second (and every second after), check its KV cache."""
+        now = time.monotonic()
+        if self._idle_since is None or now - self._idle_since < IDLE_CHECK_S:
+            self._idle_since = self._idle_since or now
+            return
+        self._idle_since = now
+        if not self.idle_integrity_check:
+            return
         try:
             self.engine.check_integrity()
         except AssertionError as e:

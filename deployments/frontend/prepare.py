@@ -13,7 +13,7 @@ Bounds: the sampling values' are SamplingParams' own (engine/sampling_params.py)
 there; what only a door knows is checked here: token ids against the served vocabulary (prompt and
 `stop_token_ids`), text free of lone surrogates, `priority` within PRIORITY_RANGE (and 0 unless the
 server's scheduling_policy is "priority"), `cache_salt`
-(the engine's `check_cache_salt`: 1..1024 characters). docs/api_bounds.md lists them all.
+(the engine's `check_cache_salt`: 1..1024 characters). docs/reference/api.md lists them all.
 
 Defaults for an omitted `max_tokens` follow vLLM: DEFAULT_MAX_TOKENS for a text or token-id prompt
 (OpenAI's documented default for the legacy completions endpoint) and "the rest of the context"
@@ -24,10 +24,10 @@ error (`PromptTooLongError`), as with OpenAI and vLLM, rather than being silentl
 from __future__ import annotations
 
 import asyncio
-import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from deployments.frontend.prompt_input import PromptInput, PromptKind  # noqa: F401 - re-exported
 from deployments.frontend.tool_calls import check_chat_template
 from engine import InvalidRequestError, PromptTooLongError, SamplingParams
 from engine.llm_engine import check_cache_salt
@@ -70,22 +70,6 @@ class ServedModel:
             shown = requested if len(requested) <= 64 else requested[:64] + "..."  # never echo a megabyte
             raise UnknownModelError("model", f"`{shown}` does not exist; this server serves `{self.name}`")
         return self.name
-
-
-class PromptKind(enum.Enum):
-    TEXT = "text"  # a string, tokenized without special tokens
-    TOKEN_IDS = "token_ids"  # ids used as they are, bounded by the vocabulary
-    CHAT = "chat"  # role/content messages through the model's chat template
-
-
-@dataclass(frozen=True, slots=True)
-class PromptInput:
-    """One prompt as the client sent it. `field` is the request field errors about it name."""
-
-    kind: PromptKind
-    value: str | list[int] | list[dict[str, str]]
-    field: str = "prompt"
-    tools: list[dict] | None = None  # chat: the tools the template renders (tool_calls.py); None: none
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,14 +19,12 @@ import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
+from deployments.frontend.prompt_input import PromptInput
 from deployments.frontend.structured_request import NAME_PATTERN, schema_spec
 from engine import InvalidRequestError
 from engine.structured import StructuredSpec
-
-if TYPE_CHECKING:
-    from deployments.frontend.prepare import PromptInput
 
 TOOL_KEYS = {"type", "function"}
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}

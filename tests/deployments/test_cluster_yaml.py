@@ -142,7 +142,7 @@ def test_serve_config_args_are_the_cli_flags_it_names(serve_yaml, monkeypatch):
     assert launch.address == "auto" and launch.cluster_resources
     args = serve_yaml["applications"][0]["args"]
     assert ServeConfig.from_dict(args) == ServeConfig.from_dict(settings)
-    # Every key is a flag's name (with underscores), as README.md "Server settings" says.
+    # Every key is a flag's name (with underscores), as docs/reference/settings.md says.
     flags = {f for s in serve_settings() if s.cli for f in s.flags}
     assert {"--" + k.replace("_", "-") for k in args} <= flags
 

@@ -1,5 +1,5 @@
 """ServeConfig: the ingress scales with Serve's own autoscaling when its max exceeds its start size; the
-prefill settings reach the engines they are meant for; the CLI flags, the YAML keys and README.md's
+prefill settings reach the engines they are meant for; the CLI flags, the YAML keys and docs/reference/settings.md's
 tables are all made from the dataclass fields, so they name the same settings."""
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ def test_readme_documents_every_setting_as_the_fields_say():
     spec = importlib.util.spec_from_file_location("settings_tables", ROOT / "scripts" / "settings_tables.py")
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
-    readme = (ROOT / "README.md").read_text()
-    assert tables.update(readme) == readme, "README.md's settings tables are stale: run scripts/settings_tables.py"
+    readme = (ROOT / "docs" / "reference" / "settings.md").read_text()
+    assert tables.update(readme) == readme, "docs/reference/settings.md's settings tables are stale: run scripts/settings_tables.py"
     for s in (*serve_settings(), *launch_settings()):
         assert (f"`{s.flags[0]}`" if s.cli and s.kind is not Kind.BOOL else f"`{s.name}`" if not s.cli
                 else f"`--[no-]{s.name.replace('_', '-')}`") in readme, s.name

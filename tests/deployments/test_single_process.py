@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM
 from deployments.cli import main
 from deployments.config import ServeConfig
 from deployments.frontend.backend import LocalEngineBackend, QueueFullError
-from deployments.local_server import ray_only_settings, single_process_engine_config
-from deployments.serve_cli import (
-    SINGLE_PROCESS_MAX_CPUS, Hardware, LaunchOptions, local_hardware, picks_single_process, with_single_process)
+from deployments.layouts import SINGLE_PROCESS_MAX_CPUS, Hardware, local_hardware, ray_only_settings, resolve
+from deployments.local_server import single_process_engine_config
+from deployments.serve_cli import LaunchOptions, ray_reasons
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.model_loader import resolve_model_dir
 from helpers import free_port, wait_for
@@ -39,27 +39,29 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 # ---------------------------------------------------------------------- the pick
 def test_auto_picks_single_on_a_small_cpu_host_only_when_nothing_needs_ray(capsys):
-    auto = LaunchOptions()
-    assert picks_single_process(auto, {}, Hardware(cpus=2, gpus=0))
-    assert picks_single_process(auto, {"max_num_seqs": 64, "api_key": "k", "http_port": 9000}, Hardware(2, 0))
-    assert picks_single_process(auto, {"device": "cpu"}, Hardware(cpus=4, gpus=2))
-    assert not picks_single_process(auto, {}, Hardware(cpus=SINGLE_PROCESS_MAX_CPUS + 1, gpus=0))
-    assert not picks_single_process(auto, {}, Hardware(cpus=2, gpus=1))
+    def picked(settings, hw, launch=LaunchOptions()):
+        return resolve(launch.layout, settings, hw, needs_ray=bool(ray_reasons(launch, settings)))[0]
+
+    assert picked({}, Hardware(cpus=2, gpus=0)) == "single"
+    assert picked({"max_num_seqs": 64, "api_key": "k", "http_port": 9000}, Hardware(2, 0)) == "single"
+    assert picked({"num_threads": 1}, Hardware(2, 0)) == "single"  # the engine's threads, not a layout
+    assert picked({"device": "cpu"}, Hardware(cpus=4, gpus=2)) == "single"
+    assert picked({}, Hardware(cpus=SINGLE_PROCESS_MAX_CPUS + 1, gpus=0)) == "colocated"
+    assert picked({}, Hardware(cpus=2, gpus=1)) == "colocated"
     for ray_setting in ({"num_prefill_workers": 0}, {"num_decode_workers": 2}, {"decode_max_workers": 3},
                         {"direct_ingress": True}, {"client_check_s": 1.0}):
-        assert not picks_single_process(auto, ray_setting, Hardware(2, 0)), ray_setting
-    assert not picks_single_process(LaunchOptions(grpc_port=9000), {}, Hardware(2, 0))
-    assert not picks_single_process(LaunchOptions(layout="ray"), {}, Hardware(2, 0))
-    assert picks_single_process(LaunchOptions(layout="single"), {}, Hardware(cpus=64, gpus=0))
+        assert picked(ray_setting, Hardware(2, 0)) != "single", ray_setting
+    assert picked({}, Hardware(2, 0), LaunchOptions(grpc_port=9000)) == "colocated"
+    assert picked({}, Hardware(2, 0), LaunchOptions(layout="ray")) == "colocated"
+    assert picked({}, Hardware(cpus=64, gpus=0), LaunchOptions(layout="single")) == "single"
 
-    settings = with_single_process({}, Hardware(cpus=2, gpus=0, cpu_bf16="AMX"), picked=True)
+    layout, settings = resolve("auto", {}, Hardware(cpus=2, gpus=0, cpu_bf16="AMX"))
     cfg = ServeConfig.from_dict(settings)
     assert cfg.engine.num_threads == 2 and cfg.engine.dtype == "bfloat16"
     out = capsys.readouterr().out
-    assert "2 CPU cores, no GPU: single process" in out and "--layout ray" in out
-    assert "--prefill-workers 1 --decode-workers 1" in out  # the disaggregated layout, one flag away
-    assert with_single_process({"num_threads": 1, "dtype": "float32"}, Hardware(2, 0), picked=False) == \
-        {"num_threads": 1, "dtype": "float32"}
+    assert "(2 CPU cores, no GPU): single" in out and "--layout disagg" in out
+    assert resolve("single", {"num_threads": 1, "dtype": "float32"}, Hardware(2, 0)) == \
+        ("single", {"num_threads": 1, "dtype": "float32"})
 
 
 def test_the_single_engine_prefills_without_a_decode_workers_cap():
@@ -85,7 +87,7 @@ def test_only_engine_and_front_door_settings_are_single_process_settings():
 def test_layout_single_refuses_what_only_ray_does_before_loading_anything(argv, named, capsys):
     assert main(["serve", "--layout", "single", "--port", str(free_port()), *argv]) == 2
     err = capsys.readouterr().err
-    assert "--layout single" in err and named in err and "--layout ray" in err
+    assert "--layout single" in err and named in err and "--layout colocated" in err
 
 
 # ---------------------------------------------------------------------- the backend's limits
@@ -173,7 +175,8 @@ def hf():
 def test_serve_says_it_picked_one_process_and_runs_no_ray(served):
     _, proc, lines = served
     if "--layout" not in proc.args:
-        assert any("single process" in line and "--layout ray" in line for line in lines), lines
+        assert any("auto picked the fastest layout" in line and ": single;" in line for line in lines), lines
+    assert any(line.startswith("pdserve: layout=single  http+engine(1 process") for line in lines), lines
     import psutil
 
     names = {c.name() for c in psutil.Process(proc.pid).children(recursive=True)}

@@ -1,29 +1,28 @@
-"""`EngineWorker._on_blocks`: a block-manager call runs under the engine lock, or during the forward
-pass of the step holding it, and never while the lock is held for anything else."""
+"""`EngineHost.on_blocks` (what `EngineWorker._on_blocks` calls): a block-manager call runs under the
+engine lock, or during the forward pass of the step holding it, and never while the lock is held for
+anything else."""
 
 from __future__ import annotations
 
 import threading
 import time
-from types import SimpleNamespace
-
 import pytest
 
-from deployments.cluster.engine_worker import EngineWorker
+from deployments.engine_host import EngineHost
 
 
-def _worker() -> EngineWorker:
-    w = object.__new__(EngineWorker)  # the locking part only: no engine, no actor
-    w.worker_id, w.config = "w", SimpleNamespace(kv_transfer_timeout_s=5.0)
+def _worker() -> EngineHost:
+    w = object.__new__(EngineHost)  # the locking part only: no engine, no thread
+    w.name = "w"
     w.lock, w._window, w._in_forward = threading.RLock(), threading.Lock(), False
     return w
 
 
-def _hold(w: EngineWorker, in_forward: bool, release: threading.Event, held: threading.Event) -> threading.Thread:
+def _hold(w: EngineHost, in_forward: bool, release: threading.Event, held: threading.Event) -> threading.Thread:
     def run():
         with w.lock:
             if in_forward:
-                with w._forward():
+                with w.forward():
                     held.set()
                     release.wait(10)
             else:
@@ -40,7 +39,7 @@ def test_runs_at_once_during_the_forward_pass_of_a_step():
     release, held = threading.Event(), threading.Event()
     th = _hold(w, True, release, held)
     t0 = time.monotonic()
-    assert w._on_blocks(lambda: "taken", timeout_s=2.0) == "taken"
+    assert w.on_blocks(lambda: "taken", timeout_s=2.0) == "taken"
     assert time.monotonic() - t0 < 1.0
     assert th.is_alive()  # the step still holds the lock
     release.set()
@@ -52,9 +51,9 @@ def test_waits_while_the_lock_is_held_outside_a_forward_pass():
     release, held = threading.Event(), threading.Event()
     th = _hold(w, False, release, held)
     with pytest.raises(TimeoutError):
-        w._on_blocks(lambda: "taken", timeout_s=0.2)
+        w.on_blocks(lambda: "taken", timeout_s=0.2)
     threading.Timer(0.2, release.set).start()
-    assert w._on_blocks(lambda: "taken", timeout_s=5.0) == "taken"  # once the lock is free
+    assert w.on_blocks(lambda: "taken", timeout_s=5.0) == "taken"  # once the lock is free
     th.join()
 
 
@@ -64,7 +63,7 @@ def test_the_step_leaves_its_forward_pass_only_after_a_call_in_it_returns():
 
     def step():
         with w.lock:
-            with w._forward():
+            with w.forward():
                 held.set()
                 release.wait(10)
             left.append(time.monotonic())
@@ -80,6 +79,6 @@ def test_the_step_leaves_its_forward_pass_only_after_a_call_in_it_returns():
         done.append(time.monotonic())
         return True
 
-    assert w._on_blocks(slow, timeout_s=2.0)
+    assert w.on_blocks(slow, timeout_s=2.0)
     th.join()
     assert left[0] >= done[0] and not w._in_forward

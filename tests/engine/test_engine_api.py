@@ -11,6 +11,7 @@ import pytest
 from device_params import DEVICES, EXACT_DTYPE
 from engine import LLM, EngineConfig, InvalidRequestError, LLMEngine, PromptTooLongError, SamplingParams
 from engine.errors import EngineConfigError
+from engine.kv_lending import KVLending
 
 
 @pytest.fixture(scope="module", params=DEVICES)
@@ -98,8 +99,8 @@ def test_pinned_blocks_copied_into_another_engines_prefix_cache(llm, tiny_model_
     prompt = list(range(100, 123))  # 5 full blocks of 4, and 3 tokens
     eng.add_request("a", prompt, params)
     eng.step()  # the whole prompt in one step
-    pinned = eng.pin_computed_blocks("a", len(prompt))
-    assert len(pinned) == 5 and eng.pin_computed_blocks("nope", 10) == []
+    pinned = KVLending(eng).pin_computed_blocks("a", len(prompt))
+    assert len(pinned) == 5 and KVLending(eng).pin_computed_blocks("nope", 10) == []
     out = []
     while eng.has_unfinished_requests():
         out += [o for o in eng.step() if o.finished]
@@ -107,13 +108,13 @@ def test_pinned_blocks_copied_into_another_engines_prefix_cache(llm, tiny_model_
 
     other = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), device=eng.config.device, dtype=EXACT_DTYPE,
                                    num_kv_blocks=64, block_size=4, max_model_len=200))
-    ids = other.allocate_blocks(3 * 4)  # blocks 2..4: the other engine has 0..1 from a shared prefix
+    ids = KVLending(other).allocate_blocks(3 * 4)  # blocks 2..4: the other engine has 0..1 from a shared prefix
     other.runner.kv_cache[ids] = eng.runner.kv_cache[pinned[2:]]
-    eng.free_blocks(pinned)
+    KVLending(eng).free_blocks(pinned)
     other.add_request("head", prompt[:9], SamplingParams(max_tokens=1))
     while other.has_unfinished_requests():
         other.step()
-    assert other.cache_blocks(prompt[:20], ids, first_block=2) == 3
+    assert KVLending(other).cache_blocks(prompt[:20], ids, first_block=2) == 3
     assert other.block_manager.num_used_blocks == 0  # cached and free
     other.add_request("b", prompt + out[0].token_ids[:2], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     got = []
@@ -132,13 +133,13 @@ def test_take_cached_blocks_leases_the_cached_prefix(llm):
     prompt = list(range(130, 149))  # 4 full blocks of 4, and 3 tokens
     llm.generate([prompt], SamplingParams(max_tokens=1))
     assert bm.num_used_blocks == 0
-    assert eng.take_cached_blocks([1, 2, 3, 4, 5]) == []  # nothing cached
-    got = eng.take_cached_blocks(prompt + [7, 7, 7, 7], max_tokens=14)
+    assert KVLending(eng).take_cached_blocks([1, 2, 3, 4, 5]) == []  # nothing cached
+    got = KVLending(eng).take_cached_blocks(prompt + [7, 7, 7, 7], max_tokens=14)
     assert len(got) == 3 and bm.num_used_blocks == 3  # 14 tokens: 3 full blocks, now in use
-    whole = eng.take_cached_blocks(prompt)
+    whole = KVLending(eng).take_cached_blocks(prompt)
     assert whole[:3] == got and len(whole) == 4 and bm.num_used_blocks == 4  # a second reference on 3
-    eng.free_blocks(got)
-    eng.free_blocks(whole)
+    KVLending(eng).free_blocks(got)
+    KVLending(eng).free_blocks(whole)
     assert bm.num_used_blocks == 0 and bm.num_cached_blocks >= 4  # still cached after the lease
     eng.add_request("again", prompt, SamplingParams(max_tokens=1))
     while eng.has_unfinished_requests():

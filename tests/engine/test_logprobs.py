@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.logprobs import _top_k
+from engine.kv_lending import KVLending
 
 ATOL = 1e-4  # fp32 engine vs fp32 transformers: differently shaped GEMMs round differently
 PROMPT = [(13 * i + 5) % 3000 + 20 for i in range(45)]
@@ -104,10 +105,10 @@ def test_prefill_only_engine_returns_both_and_a_resumed_request_continues(model_
     pre.add_request("r", PROMPT, params, prefill_only=True)
     (first,) = drain(pre)["r"]
     assert first.finish_reason == "prefilled" and len(first.logprobs) == 1 and len(first.prompt_logprobs) == len(PROMPT)
-    ids = dec.allocate_blocks(len(PROMPT))
+    ids = KVLending(dec).allocate_blocks(len(PROMPT))
     dec.runner.kv_cache[ids] = pre.runner.kv_cache[first.block_ids]
-    pre.release_prefilled("r")
-    dec.add_prefilled_request("r", PROMPT, first.token_ids, params, ids, len(PROMPT))
+    KVLending(pre).release_prefilled("r")
+    KVLending(dec).add_prefilled_request("r", PROMPT, first.token_ids, params, ids, len(PROMPT))
     rest = drain(dec)["r"]
     assert all(o.prompt_logprobs is None for o in rest)
     tokens = first.token_ids + [t for o in rest for t in o.new_token_ids]

@@ -17,6 +17,7 @@ from engine.request import RequestOutput
 from engine.spec import SpecController
 from engine.spec.controller import PROBE_EVERY
 from engine.spec.speculator import EXPLORE_SEQS
+from engine.kv_lending import KVLending
 from test_correctness import hf_greedy, make_prompts, run_staggered, tiny_engine
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -321,10 +322,10 @@ def test_kv_handoff_into_and_migration_out_of_a_speculating_engine(tiny_model_di
     prompt = looping_prompts(pre.vocab_size, seed=29)[1]  # loops after 10 tokens
     pre.add_request("r", prompt, SamplingParams(max_tokens=60, **GREEDY), prefill_only=True)
     first = drain_prefilled(pre)
-    ids = dec.allocate_blocks(len(prompt))
+    ids = KVLending(dec).allocate_blocks(len(prompt))
     dec.runner.kv_cache[ids] = pre.runner.kv_cache[first.block_ids]
-    pre.release_prefilled("r")
-    dec.add_prefilled_request("r", prompt, first.token_ids, SamplingParams(max_tokens=60, **GREEDY), ids, len(prompt))
+    KVLending(pre).release_prefilled("r")
+    KVLending(dec).add_prefilled_request("r", prompt, first.token_ids, SamplingParams(max_tokens=60, **GREEDY), ids, len(prompt))
     out = list(first.token_ids)
     while len(out) < 45:
         for o in dec.step():
@@ -333,15 +334,15 @@ def test_kv_handoff_into_and_migration_out_of_a_speculating_engine(tiny_model_di
     req = dec.scheduler.running[0]
     assert len(req.block_table) == -(-req.num_computed_tokens // 4) and req.num_computed_tokens == req.num_tokens - 1
     tokens = prompt + out
-    pinned = dec.pin_computed_blocks("r", len(tokens))
+    pinned = KVLending(dec).pin_computed_blocks("r", len(tokens))
     assert len(pinned) == req.num_computed_tokens // 4
-    copies = dst.allocate_blocks(len(pinned) * 4)
+    copies = KVLending(dst).allocate_blocks(len(pinned) * 4)
     dst.runner.kv_cache[copies] = dec.runner.kv_cache[pinned]
-    dec.free_blocks(pinned)
+    KVLending(dec).free_blocks(pinned)
     assert dec.abort("r")
     dec.check_integrity()
     assert dec.block_manager.num_used_blocks == 0
-    dst.cache_blocks(tokens, copies)
+    KVLending(dst).cache_blocks(tokens, copies)
     dst.add_request("r", tokens, SamplingParams(max_tokens=60 - len(out), **GREEDY))
     rest = drain(dst)["r"]
     assert rest.num_cached_tokens == len(pinned) * 4

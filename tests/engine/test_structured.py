@@ -13,6 +13,7 @@ import pytest
 
 from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
 from engine.structured import GrammarCache, GrammarState, StructuredSpec
+from engine.kv_lending import KVLending
 
 SCHEMA = {
     "type": "object",
@@ -119,13 +120,13 @@ def test_resumed_request_continues_its_grammar(tiny_model_dir):
     prompt = PROMPTS[1]
     pre.add_request("r", prompt, params, prefill_only=True)
     first = [o for o in pre.step() if o.request_id == "r"][0]
-    ids = dec.allocate_blocks(len(prompt))
+    ids = KVLending(dec).allocate_blocks(len(prompt))
     dec.runner.kv_cache[ids] = pre.runner.kv_cache[first.block_ids]
-    pre.release_prefilled("r")
+    KVLending(pre).release_prefilled("r")
     with pytest.raises(InvalidRequestError) as exc:  # tokens the grammar does not allow
-        dec.add_prefilled_request("x", prompt, [first.token_ids[0], 999], params, ids, len(prompt))
+        KVLending(dec).add_prefilled_request("x", prompt, [first.token_ids[0], 999], params, ids, len(prompt))
     assert exc.value.field == "output_token_ids"
-    dec.add_prefilled_request("r", prompt, first.token_ids, params, ids, len(prompt))
+    KVLending(dec).add_prefilled_request("r", prompt, first.token_ids, params, ids, len(prompt))
     done = None
     while dec.has_unfinished_requests():
         done = [o for o in dec.step() if o.finished] or done

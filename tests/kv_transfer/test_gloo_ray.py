@@ -10,6 +10,7 @@ import pytest
 import ray
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_lending import KVLending
 from helpers import local_ray
 from kv_transfer import EpochMismatchError, LeaseExpiredError, PeerDiedError
 
@@ -82,7 +83,7 @@ class Decode:
     def pull(self, handle, prompt_ids, exporter, timeout_s=None):
         block_ids = self.kv_importer.pull(handle, exporter, timeout_s)
         with self.lock:
-            self.engine.add_prefilled_request(handle.request_id, prompt_ids, [handle.first_token], PARAMS,
+            KVLending(self.engine).add_prefilled_request(handle.request_id, prompt_ids, [handle.first_token], PARAMS,
                                               block_ids, handle.num_tokens)
         return len(block_ids)
 

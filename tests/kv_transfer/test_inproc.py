@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_lending import KVLending
 from kv_transfer import (EpochMismatchError, InProcHub, InProcTransport, KVLayout, KVReceiver, KVSender,
                          LeaseExpiredError, LeaseTable, PeerDiedError, ReceiverOutOfBlocksError,
                          TransferTimeoutError)
@@ -27,15 +28,15 @@ class Pair:
                                         kv_cache_dtype=kv_cache_dtype))
         self.d = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=48, block_size=4, num_threads=1,
                                         kv_cache_dtype=kv_cache_dtype))
-        self.d_pad = self.d.allocate_blocks(12)  # so the decode side's block ids differ from the sender's
+        self.d_pad = KVLending(self.d).allocate_blocks(12)  # so the decode side's block ids differ from the sender's
         hub = InProcHub()
         self.hub = hub
         tp, td = InProcTransport(hub, "P"), InProcTransport(hub, "D")
         tp.connect("D")
         td.connect("P")
-        self.leases = LeaseTable("P", KVLayout.of(self.p.runner.kv_cache), self.p.release_prefilled, lease_s)
+        self.leases = LeaseTable("P", KVLayout.of(self.p.runner.kv_cache), KVLending(self.p).release_prefilled, lease_s)
         self.sender = KVSender(tp, self.p.runner.kv_cache, self.leases, timeout_s=5)
-        self.receiver = KVReceiver(td, self.d.runner.kv_cache, self.d.allocate_blocks, self.d.free_blocks, timeout_s=5)
+        self.receiver = KVReceiver(td, self.d.runner.kv_cache, KVLending(self.d).allocate_blocks, KVLending(self.d).free_blocks, timeout_s=5)
         self.pool = ThreadPoolExecutor(4)
         self.pushes = []
 
@@ -96,7 +97,7 @@ def test_transfer_then_decode_matches_single_engine(model_dir, reference, kv_cac
         h = pair.prefill(f"r{i}", prompt)
         ids = pair.receiver.receive(h, pair.start_push(h))
         assert len(ids) == h.num_blocks
-        pair.d.add_prefilled_request(f"r{i}", prompt, [h.first_token], PARAMS, ids, len(prompt))
+        KVLending(pair.d).add_prefilled_request(f"r{i}", prompt, [h.first_token], PARAMS, ids, len(prompt))
     assert _run(pair.d) == reference
     assert len(pair.leases) == 0 and pair.sender.num_sent == len(PROMPTS)
     pair.check()
@@ -109,7 +110,7 @@ def test_concurrent_transfers_share_the_channel(model_dir, reference):
         futs = [ex.submit(pair.receiver.receive, h, pair.start_push(h)) for h in handles]
         ids = [f.result(timeout=20) for f in futs]
     for h, b, p in zip(handles, ids, PROMPTS):
-        pair.d.add_prefilled_request(h.request_id, p, [h.first_token], PARAMS, b, len(p))
+        KVLending(pair.d).add_prefilled_request(h.request_id, p, [h.first_token], PARAMS, b, len(p))
     assert _run(pair.d) == {f"r{i}": reference[f"r{i}"] for i in range(5)}
     pair.check()
 
@@ -142,20 +143,20 @@ def test_superseded_epoch_is_refused(model_dir):
     assert "r0" in pair.leases  # the newer grant still holds the blocks...
     ids = pair.receiver.receive(new, pair.start_push(new))  # ...and can still be fetched
     assert pair.d.block_manager.num_free_blocks == 48 - len(pair.d_pad) - new.num_blocks
-    pair.d.free_blocks(ids)
+    KVLending(pair.d).free_blocks(ids)
     pair.check()
 
 
 def test_receiver_out_of_blocks(model_dir):
     pair = Pair(model_dir)
     h = pair.prefill("r0", PROMPTS[6])  # 30 tokens = 8 blocks
-    hog = pair.d.allocate_blocks(4 * pair.d.block_manager.num_free_blocks - 4)
+    hog = KVLending(pair.d).allocate_blocks(4 * pair.d.block_manager.num_free_blocks - 4)
     abandoned = []
     with pytest.raises(ReceiverOutOfBlocksError):
         pair.receiver.receive(h, pair.start_push(h),
                               abandon=lambda: abandoned.append(pair.leases.release(h.request_id, h.epoch)))
     assert abandoned == [True]
-    pair.d.free_blocks(hog)
+    KVLending(pair.d).free_blocks(hog)
     pair.check()
 
 

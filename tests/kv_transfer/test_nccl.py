@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_lending import KVLending
 from kv_transfer import PeerDiedError, TransferTimeoutError, make_transport
 from kv_transfer.factory import TransportKind
 
@@ -192,7 +193,7 @@ def _actors():
         def pull(self, handle, prompt_ids, exporter):
             block_ids = self.kv_importer.pull(handle, exporter)
             with self.lock:
-                self.engine.add_prefilled_request(handle.request_id, prompt_ids, [handle.first_token], PARAMS,
+                KVLending(self.engine).add_prefilled_request(handle.request_id, prompt_ids, [handle.first_token], PARAMS,
                                                   block_ids, handle.num_tokens)
 
         def run(self, prompts=None):

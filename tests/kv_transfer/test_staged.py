@@ -161,6 +161,7 @@ def test_prefill_and_decode_engines_on_one_gpu_hand_over_kv_through_host_memory(
     """Both pools on one GPU, without Ray: a prefill engine's KV moves to a decode engine on the same
     device through the staged channel, and the decode side's greedy text is one engine's."""
     from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.kv_lending import KVLending
     from kv_transfer import KVReceiver, KVSender
 
     params = SamplingParams(max_tokens=16, temperature=0)
@@ -177,10 +178,10 @@ def test_prefill_and_decode_engines_on_one_gpu_hand_over_kv_through_host_memory(
     try:
         _pair(tp, td, td.device_id)
         assert tp.kind_of("D") is TransportKind.STAGED
-        leases = LeaseTable("P", KVLayout.of(prefill.runner.kv_cache), prefill.release_prefilled)
+        leases = LeaseTable("P", KVLayout.of(prefill.runner.kv_cache), KVLending(prefill).release_prefilled)
         sender = KVSender(tp, prefill.runner.kv_cache, leases, 60)
-        receiver = KVReceiver(td, decode.runner.kv_cache, lambda n: decode.allocate_blocks(n, contiguous=True),
-                              decode.free_blocks, 60)
+        receiver = KVReceiver(td, decode.runner.kv_cache, lambda n: KVLending(decode).allocate_blocks(n, contiguous=True),
+                              KVLending(decode).free_blocks, 60)
         for i, p in enumerate(ids):
             prefill.add_request(f"r{i}", p, params, prefill_only=True)
         outs = []
@@ -193,7 +194,7 @@ def test_prefill_and_decode_engines_on_one_gpu_hand_over_kv_through_host_memory(
                 handle = leases.grant(out.request_id, out.block_ids, len(prompt), out.token_ids[0])
                 block_ids = receiver.receive(handle, lambda h=handle: pushes.append(pool.submit(sender.push, h, "D")))
                 pushes[-1].result(60)
-                decode.add_prefilled_request(out.request_id, prompt, [handle.first_token], params, block_ids,
+                KVLending(decode).add_prefilled_request(out.request_id, prompt, [handle.first_token], params, block_ids,
                                              handle.num_tokens)
         got = {}
         while decode.has_unfinished_requests():

@@ -1,0 +1,63 @@
+"""`pdserve serve --layout disagg` on a CPU host: a prefill pool and a decode pool with the KV moving
+between them over gloo, started as a user starts it; the start line maps the processes, and a chat
+request through the prefill worker and the KV transfer answers as one engine does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    # local_prefill_max_tokens 0: every prompt goes through the prefill pool and its KV moves.
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--layout", "disagg", "--port",
+                             str(port), "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-memory-mb", "64",
+                             "--local-prefill-max-tokens", "0"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 420
+        while not any("pdserve: ready" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            lines.append(proc.stdout.readline())
+        yield f"http://127.0.0.1:{port}", proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+
+
+def test_the_start_line_maps_the_pools_and_the_transport(served):
+    _, _, lines = served
+    assert any(line.strip() == "pdserve: layout=disagg  ingress(1) -> router(1) -> prefill(1, cpu) =gloo=> "
+               "decode(1, cpu)" for line in lines), lines
+
+
+def test_a_chat_request_goes_through_the_prefill_pool_and_the_kv_transfer(served):
+    url, _, _ = served
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                   json={"model": "SmolLM2-135M-Instruct", "messages": FRANCE, "temperature": 0, "max_tokens": 16})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    counters = httpx.get(f"{url}/health", timeout=30).json()["router"]["counters"]
+    # Admitted into the decode worker after a prefill elsewhere, none prefilled where it decodes.
+    assert counters["admitted"] >= 1 and counters["local_prefills"] == 0, counters
