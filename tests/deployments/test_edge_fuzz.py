@@ -7,6 +7,10 @@ The bodies are searched three ways: arbitrary JSON values, objects built from th
 with edge values (and unknown names thrown in), and raw bytes (malformed JSON, NaN, huge integers,
 deep nesting, invalid UTF-8, lone surrogates, oversized bodies). Counts are printed at the end
 (`pytest -s`): cases generated, answers by status, 5xx seen (must be 0).
+
+`PDSERVE_TEST_LAYOUT=disagg` runs the same doors over the disaggregated layout instead: a local Ray
+router with a prefill worker and a decode worker of the same tiny model (every prompt through the
+prefill worker and a gloo KV transfer), and "nothing left behind" is then checked on both workers.
 """
 
 from __future__ import annotations
@@ -14,16 +18,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import os
+import uuid
 from typing import Any
 
 import grpc
 import httpx
 import pytest
-from helpers import ThreadedServer, wait_for
+from helpers import ThreadedServer, local_ray, pdserve_router, wait_for, wait_no_leaks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from deployments.config import ServeConfig
 from deployments.frontend.backend import LocalEngineBackend
+from deployments.frontend.router_client import RouterBackend
+from deployments.frontend.stream_hub import StreamHub
 from deployments.frontend.grpc import pdserve_pb2
 from deployments.frontend.grpc_app import GenerationService, GRPCError, ServingState
 from deployments.frontend.http_app import build_openai_app
@@ -33,6 +42,8 @@ MODEL = "tiny"
 API_KEY = "fuzz-key"
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 STATS: collections.Counter = collections.Counter()  # "http 400", "grpc INVALID_ARGUMENT", "5xx", ...
+# "single" (default): one engine in this process; "disagg": the Ray router with a prefill and a decode pool.
+LAYOUT = os.environ.get("PDSERVE_TEST_LAYOUT", "single")
 CALLER_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED,
                 grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -44,10 +55,18 @@ def engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def backend(engine):
-    be = LocalEngineBackend(engine, max_num_requests=64)
-    yield be
-    be.shutdown()
+def backend(engine, tiny_model_dir):
+    if LAYOUT == "disagg":
+        cfg = ServeConfig.from_dict(dict(model=tiny_model_dir("llama"), num_prefill_workers=1, num_decode_workers=1,
+                                         num_threads=1, kv_cache_memory_mb=32, local_prefill_max_tokens=0))
+        with local_ray(4, namespace="pdserve-tests"), pdserve_router(cfg) as router:
+            hub = StreamHub()
+            yield RouterBackend(router, hub, f"hub-{uuid.uuid4().hex[:8]}", request_timeout_s=120.0)
+            hub.shutdown()
+    else:
+        be = LocalEngineBackend(engine, max_num_requests=64)
+        yield be
+        be.shutdown()
     sent = {k: v for k, v in sorted(STATS.items()) if k.startswith(("http ", "grpc ")) and k != "grpc unparsable"}
     print(f"\n[edge fuzz] cases sent: {sum(sent.values())} (HTTP {sum(v for k, v in sent.items() if k[0] == 'h')}, "
           f"gRPC {sum(v for k, v in sent.items() if k[0] == 'g')}); by answer: {sent}; gRPC byte strings that do "
@@ -69,9 +88,18 @@ def service(engine, backend):
                              api_key=API_KEY)
 
 
-def assert_still_serving(http: httpx.Client, backend: LocalEngineBackend) -> None:
+def in_flight(backend: LocalEngineBackend | RouterBackend) -> int:
+    """Requests the backend still streams (the router's layout: the hub's open streams)."""
+    return backend.hub.num_streams() if isinstance(backend, RouterBackend) else backend.num_requests
+
+
+def assert_still_serving(http: httpx.Client, backend: LocalEngineBackend | RouterBackend) -> None:
     r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "ignore_eos": True, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    if isinstance(backend, RouterBackend):
+        wait_for(lambda: in_flight(backend) == 0, timeout_s=30, interval_s=0.05, what="every stream closed")
+        wait_no_leaks(backend.router, timeout_s=60)  # every worker: no request, no block, integrity checked
+        return
 
     def idle() -> bool:
         busy = backend.run_on_engine(lambda e: e.has_unfinished_requests()).result(timeout=30)
@@ -351,10 +379,10 @@ def test_a_client_that_vanishes_at_any_moment_leaves_nothing(asgi_app, backend, 
         await asyncio.gather(task, return_exceptions=True)
         # NOTE: checked while this loop still runs: its shutdown would close forgotten generators.
         for _ in range(1000):
-            if backend.num_requests == 0:
+            if in_flight(backend) == 0:
                 return
             await asyncio.sleep(0.01)
-        raise AssertionError(f"the request was not aborted ({backend.num_requests} in flight)")
+        raise AssertionError(f"the request was not aborted ({in_flight(backend)} in flight)")
 
     asyncio.run(drive())
 
