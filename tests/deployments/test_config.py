@@ -69,7 +69,8 @@ def test_kv_cache_dtype_reaches_every_engine_and_a_bad_one_is_a_clean_cli_error(
 # A valid value other than the default for each setting whose generic pick (below) would not do.
 SAMPLES = {"speculative_method": "ngram", "prefill_min_workers": 1, "decode_min_workers": 1, "num_prefill_workers": 2, "prefill_max_workers": 3,
            "decode_max_workers": 3, "ingress_max_replicas": 3, "dtype": "bfloat16", "kv_cache_dtype": "float16",
-           "device": "cuda", "batching": "static", "num_threads": 2, "scheduling_policy": "priority"}
+           "device": "cuda", "batching": "static", "num_threads": 2, "scheduling_policy": "priority",
+           "gpu_memory_utilization": 0.5, "ops_backend": "torch", "kv_cache_memory_mb": 4096}
 
 
 def _sample(s: Setting):
@@ -129,7 +130,7 @@ def test_every_flag_is_a_setting_or_a_launch_option():
     assert names == keys | launch
     # ...and every YAML key that is not a flag is a declared tuning knob.
     assert {s.name for s in serve_settings() if not s.cli} == {"gguf_file", "num_kv_blocks", "batching",
-                                                                "max_wait_s", "seed", "cache_dir"}
+                                                                "max_wait_s", "seed", "cache_dir", "ops_backend"}
 
 
 def test_the_defaults_of_the_flags_are_the_defaults_of_the_config(monkeypatch):
