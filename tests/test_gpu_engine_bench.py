@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# A smoke run of a benchmark script (two processes importing torch and transformers, ~90 s on 2 cores).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 2)
 
