@@ -22,6 +22,7 @@ Mixed steps (a prefill chunk, prompt logprobs) always run eagerly.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import torch
 
@@ -72,11 +73,8 @@ class StagingLayout:
         buf[self.lens + n_seqs:self.lens + self.batch] = 0
         q = self.qsl
         buf[q] = 0
-        acc = 0
-        for i, ql in enumerate(hs.seq_query_lens):
-            acc += ql
-            buf[q + 1 + i] = acc
-        buf[q + 1 + n_seqs:q + 1 + self.batch] = acc
+        buf[q + 1:q + 1 + n_seqs] = list(itertools.accumulate(hs.seq_query_lens))
+        buf[q + 1 + n_seqs:q + 1 + self.batch] = n_rows
         w = self.width
         for i, (table, ln) in enumerate(zip(hs.seq_tables, hs.seq_lens)):
             used = -(-ln // block_size)

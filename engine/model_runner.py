@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 
 from engine import cpu_kernels
-from engine.attention import KVWorkspace
+from engine.attention import KVWorkspace, attention_backends
 from engine.logprobs import token_logprobs
 from engine.models import LlamaModel
 from engine.ops import make_ops
@@ -106,7 +106,7 @@ class ModelRunner:
 
     @paged_decode.setter
     def paged_decode(self, on: bool) -> None:
-        self._cpu_ops("paged_decode", on).paged_decode = on
+        self._switch("paged_decode", on)
 
     @property
     def fused_ops(self) -> bool:
@@ -114,14 +114,15 @@ class ModelRunner:
 
     @fused_ops.setter
     def fused_ops(self, on: bool) -> None:
-        self._cpu_ops("fused_ops", on).fused = on
+        self._switch("fused", on)
 
-    def _cpu_ops(self, what: str, on: bool):
+    def _switch(self, attr: str, on: bool) -> None:
+        """Set one of the cpu backend's kernel switches; elsewhere only its current value is accepted
+        (nothing is accepted and ignored)."""
         if isinstance(self.ops, CpuOps):
-            return self.ops
-        if on:
-            raise ValueError(f"{what} is a switch of the cpu ops backend; this runner has {self.ops.name!r}")
-        return CpuOps(False, False)  # a throwaway: switching off what is not there changes nothing
+            setattr(self.ops, attr, on)
+        elif bool(getattr(self.ops, attr, False)) != on:
+            raise ValueError(f"{attr} is a switch of the cpu ops backend; this runner has {self.ops.name!r}")
 
     @staticmethod
     def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
@@ -195,7 +196,6 @@ class ModelRunner:
             logits = self.graphs.try_run(hs)
             if logits is not None:
                 return StepLogits(logits, {})
-        from engine.attention import attention_backends
         with attention_backends(self.device):
             return self.run_eager(hs)
 
