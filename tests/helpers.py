@@ -12,9 +12,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from engine import LLMEngine, RequestOutput, SamplingParams
@@ -172,3 +176,30 @@ def run_offline(engine: LLMEngine, prompts: Sequence[list[int] | str], params: S
             if out.finished:
                 done[out.request_id] = out
     return [done[rid] for rid in ids]
+
+
+@contextlib.contextmanager
+def served_cli(args: Sequence[str], ready_timeout_s: float) -> Iterator[tuple[str, subprocess.Popen, list[str]]]:
+    """`pdserve serve --port <free> *args` in a child process, as a user starts it: yields (base URL,
+    the process, its output lines so far) once it prints that it is ready; then SIGTERM (a graceful
+    stop), and a kill if it does not end within 60 s."""
+    root = Path(__file__).resolve().parents[1]
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(root), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--port", str(port), *args],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while not any("pdserve: ready" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            lines.append(proc.stdout.readline())
+        yield f"http://127.0.0.1:{port}", proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)

@@ -4,46 +4,21 @@ request through the prefill worker and the KV transfer answers as one engine doe
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from helpers import free_port
+from helpers import served_cli
 
-ROOT = Path(__file__).resolve().parents[2]
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def served():
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     # local_prefill_max_tokens 0: every prompt goes through the prefill pool and its KV moves.
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--layout", "disagg", "--port",
-                             str(port), "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-memory-mb", "64",
-                             "--local-prefill-max-tokens", "0"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 420
-        while not any("pdserve: ready" in line for line in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            lines.append(proc.stdout.readline())
-        yield f"http://127.0.0.1:{port}", proc, lines
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
+    with served_cli(["--layout", "disagg", "--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-memory-mb",
+                     "64", "--local-prefill-max-tokens", "0"], ready_timeout_s=420) as server:
+        yield server
 
 
 def test_the_start_line_maps_the_pools_and_the_transport(served):

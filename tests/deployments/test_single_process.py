@@ -10,12 +10,8 @@ tests/e2e/test_openai_parity.py ("single" there is `build_single_process_app`)."
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -30,9 +26,8 @@ from deployments.local_server import single_process_engine_config
 from deployments.serve_cli import LaunchOptions, ray_reasons
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.model_loader import resolve_model_dir
-from helpers import free_port, wait_for
+from helpers import free_port, served_cli, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "SmolLM2-135M-Instruct"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -147,24 +142,11 @@ def test_request_timeout_ends_a_silent_request_with_an_error_and_frees_it(engine
 def served():
     """`pdserve serve` as a user starts it (fp32, so greedy equals transformers' fp32 generate),
     layout left to `auto` on this host unless it is too large for single (then told)."""
-    port = free_port()
     hw = local_hardware()
     layout = [] if hw.cpus <= SINGLE_PROCESS_MAX_CPUS and not hw.gpus else ["--layout", "single"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli", "serve", "--port", str(port), "--dtype",
-                             "float32", "--max-num-seqs", "8", "--kv-cache-memory-mb", "64", *layout],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + 180
-        while not any("pdserve: ready" in line for line in lines):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
-            lines.append(proc.stdout.readline())
-        yield f"http://127.0.0.1:{port}", proc, lines
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
+    with served_cli(["--dtype", "float32", "--max-num-seqs", "8", "--kv-cache-memory-mb", "64", *layout],
+                    ready_timeout_s=180) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
