@@ -204,7 +204,9 @@ def _rope_store_kernel(qkv_ptr, q_ptr, cs_ptr, pos_ptr, k_ptr, v_ptr, slot_ptr, 
     k1, k2 = _rope_heads(row + H * D, row + H * D, D, cos, sin, KVH, KVP, HALF, DTYPE, EMULATE)
     slot = tl.load(slot_ptr + t)
     h = tl.arange(0, KVP)[:, None]
-    ok = (h < KVH) & (slot >= 0)  # a negative slot is a padding row: it stores nothing
+    # A negative slot is a padding row: it stores nothing. (Not `(h < KVH) & (slot >= 0)`: Triton 3.9's
+    # interpreter widens a block-and-scalar bool `&` to int32, which `tl.store` refuses as a mask.)
+    ok = h < tl.where(slot >= 0, KVH, 0)
     blk, off = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     kc = k_ptr + blk * stride_kb + off * stride_ks + h * stride_kh + d
     _store_kv(kc, k1, ok, KV_FP8, EMULATE)
