@@ -59,6 +59,12 @@ def make_tiny_model(model_type: str, path: str, seed: int = 0) -> str:
 
 
 @pytest.fixture(scope="session")
+def test_tokenizer():
+    """SmolLM2's tokenizer (`smollm2_tokenizer`), loaded once; copy it before changing it."""
+    return smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Factory: tiny_model_dir("llama") -> path of a saved random-weight model."""
     cache: dict[str, str] = {}
