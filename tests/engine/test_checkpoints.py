@@ -23,6 +23,11 @@ from engine.models import LlamaModel
 from test_correctness import check_against_hf, hf_greedy, make_prompts, run_staggered
 
 MAX_NEW = 12
+# Weight gains over transformers' init (see build_checkpoint); test_features_change_the_tokens checks
+# that the features under test move the tokens of these models.
+QK_GAIN = 4.0
+OUT_GAIN = 16.0
+PROMPT_LENGTHS = (5, 40, 70, 130, 17, 200)  # past the scaled checkpoints' original 64 positions too
 # A Llama-3-style chat template (not SmolLM2's own), to show the directory's template is the one used.
 LLAMA3_STYLE_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -71,10 +76,20 @@ def build_checkpoint(tokenizer, path: Path, model_type: str, overrides: dict, sa
         # skipped would change the tokens.
         for name, p in model.named_parameters():
             if name.endswith("bias"):
-                p.normal_(0.0, 0.2)
+                p.normal_(0.0, 0.01)
             elif "norm" in name:
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
-        model.lm_head.weight.mul_(8.0)  # a wider logit spread: fewer near-ties between argmax candidates
+        # Attention scores of O(1), not transformers' near-uniform ones at init, so the tokens depend on
+        # the positions (RoPE); sublayer outputs larger than a token's own embedding, so a tied model
+        # does not just predict its input token again.
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(QK_GAIN)
+            layer.self_attn.k_proj.weight.mul_(QK_GAIN)
+            layer.self_attn.o_proj.weight.mul_(OUT_GAIN)
+            layer.mlp.down_proj.weight.mul_(OUT_GAIN)
+        # A wider logit spread (fewer near-ties between argmax candidates), through the final norm so a
+        # tied embedding stays as it is.
+        model.model.norm.weight.mul_(8.0)
     save = dict(save)
     hub_rope = save.pop("hub_rope", False)
     model.save_pretrained(str(path), **save)
@@ -126,7 +141,7 @@ def test_checkpoint_greedy_matches_hf(checkpoint, name):
     assert cfg.model_type == model_type
     assert engine.runner.head_dim == overrides.get("head_dim", 16)
     # Prompts past the rope-scaled models' original context of 64 positions, and short ones.
-    prompts = make_prompts(6, engine.vocab_size, seed=11, lengths=(5, 40, 70, 130, 17, 200))
+    prompts = make_prompts(6, engine.vocab_size, seed=11, lengths=PROMPT_LENGTHS)
     check_against_hf(engine, prompts, max_new=MAX_NEW)
 
 
@@ -140,6 +155,37 @@ def test_rope_scaling_reaches_the_model(checkpoint):
         assert not torch.allclose(rotary.inv_freq.float(), default_inv_freq(hf_model.config)), name
         if rope_type == "yarn":
             assert rotary.attention_scaling == pytest.approx(0.1 * math.log(4.0) + 1.0)
+
+
+def _plain_rope(hf_model) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    plain = copy.deepcopy(hf_model.config)
+    plain.rope_parameters = {"rope_type": "default", "rope_theta": hf_model.config.rope_parameters["rope_theta"]}
+    hf_model.model.rotary_emb = LlamaRotaryEmbedding(plain)
+
+
+@torch.no_grad()
+def _drop_biases_and_qk_norms(hf_model) -> None:
+    for name, p in hf_model.named_parameters():
+        if name.endswith("bias"):
+            p.zero_()
+        elif "q_norm" in name or "k_norm" in name:
+            p.fill_(1.0)
+
+
+@pytest.mark.parametrize("name, drop", [
+    ("llama3_rope", _plain_rope), ("qwen2_yarn_sharded", _plain_rope), ("llama_tied_bias", _plain_rope),
+    ("llama_tied_bias", _drop_biases_and_qk_norms), ("qwen2_yarn_sharded", _drop_biases_and_qk_norms),
+    ("qwen3_qk_norm", _drop_biases_and_qk_norms)])
+def test_features_change_the_tokens(checkpoint, name, drop):
+    """Without its RoPE scaling, biases or q/k norms, a checkpoint's own greedy tokens change in
+    transformers: the random models are sensitive to what test_checkpoint_greedy_matches_hf checks."""
+    prompts = make_prompts(6, 49152, seed=11, lengths=PROMPT_LENGTHS)
+    hf_model, _, _ = load_model_and_tokenizer(checkpoint(name))
+    want = [hf_greedy(hf_model, p, MAX_NEW, frozenset()) for p in prompts]
+    drop(hf_model)
+    assert any(hf_greedy(hf_model, p, MAX_NEW, frozenset()) != w for p, w in zip(prompts, want))
 
 
 @pytest.mark.parametrize("name", ["llama3_rope", "qwen2_yarn_sharded", "qwen3_qk_norm"])
