@@ -46,6 +46,8 @@ class EngineConfig:
     """
 
     model: str | None = setting(None, "HF directory, .gguf file, or hub id already in the local cache",
+                                doc="Llama, Mistral, Qwen2 and Qwen3 checkpoints (safetensors) load; what is "
+                                    "refused and why: docs/guides/models.md",
                                 default_doc="embedded SmolLM2")
     gguf_file: str | None = setting(None, "not read yet: name the .gguf file in `model` itself", cli=False)
     dtype: str = setting("auto", "model weights and math: auto (bfloat16 on CUDA, float32 on CPU), float32, "
