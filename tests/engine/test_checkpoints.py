@@ -202,6 +202,19 @@ def test_cos_sin_cache_equals_the_rotary_module(checkpoint, name):
     torch.testing.assert_close(table[pos[0], half:], sin[0, :, :half].float())
 
 
+@pytest.mark.slow  # ~1.5 min each in Triton's interpreter on a CPU
+@pytest.mark.parametrize("name", ["llama3_rope", "qwen2_yarn_sharded"])
+def test_scaled_rope_through_the_triton_kernels(checkpoint, name):
+    """The GPU path (Triton's fused RoPE + KV store reading `cos_sin_cache`; the interpreter on a CPU)
+    past the original context: greedy tokens equal transformers'."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = LLMEngine(EngineConfig(model=checkpoint(name), device=device, dtype="float32", ops_backend="triton",
+                                    num_kv_blocks=64, block_size=16, max_num_seqs=4, enable_prefix_caching=False))
+    assert engine.runner.ops.name == "triton" and engine.runner.cos_sin is not None
+    check_against_hf(engine, make_prompts(2, engine.vocab_size, seed=13, lengths=(70, 9)), max_new=6)
+
+
 def test_sharded_checkpoint_loads_every_shard(checkpoint):
     path = Path(checkpoint("qwen2_yarn_sharded"))
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -254,10 +267,16 @@ def test_sliding_window_caps_the_context(test_tokenizer, tmp_path):
 
 
 def test_qwen_sliding_window_off_is_full_context(test_tokenizer, tmp_path):
-    """Qwen2.5's configs carry a sliding_window with use_sliding_window false: full attention."""
+    """Qwen2.5's configs carry a sliding_window with use_sliding_window false: full attention; turned on,
+    the context is capped at the window."""
     path = build_checkpoint(test_tokenizer, tmp_path / "q", "qwen2", dict(use_sliding_window=False, sliding_window=32), {})
     assert check_checkpoint(path).sliding_window is None
     assert engine_for(path).max_model_len == 512
+    on = json.loads((Path(path) / "config.json").read_text())
+    on.update(use_sliding_window=True, sliding_window=32, max_window_layers=1)  # layer 1 slides
+    (Path(path) / "config.json").write_text(json.dumps(on))
+    assert check_checkpoint(path).sliding_window == 32
+    assert engine_for(path).max_model_len == 32
 
 
 # --------------------------------------------------------------------------- refused directories
