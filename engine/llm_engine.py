@@ -126,6 +126,9 @@ class LLMEngine:
         # Requests waiting for their grammar to compile (off this thread): not in the scheduler, so no
         # step waits for them; `_admit_compiled` moves each in once its grammar is ready.
         self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
+        # The requests the last step scheduled (None: it failed before scheduling): a step that raises
+        # ends only these (deployments/engine_host.py's owners read it).
+        self.step_request_ids: list[str] | None = []
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -313,7 +316,10 @@ class LLMEngine:
             admitting = bool(s.waiting) and len(s.running) < self.config.max_num_seqs
             self.speculator.propose(s.running, self.max_model_len, admitting)
         t_sched = time.perf_counter()
+        self.step_request_ids = None
         sched = self.scheduler.schedule()
+        # NOTE: kept until the next step: if this one raises, these are the requests it held.
+        self.step_request_ids = [c.request.request_id for c in sched.chunks]
         if sched.empty:
             self.last_step = StepStats()
             return grammar_failures
