@@ -208,6 +208,7 @@ class GrammarCache:
         self._failed: OrderedDict[bytes, str] = OrderedDict()  # spec hash -> why (bounded in count)
         self._jobs: dict[StructuredSpec, GrammarJob] = {}
         self._lock = threading.Lock()
+        self._info_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar-compile")
         self.num_bytes = 0
         self.num_compiled = 0  # cache misses compiled, for tests and metrics
@@ -324,7 +325,7 @@ class GrammarCache:
         if compiler is None:
             import xgrammar as xgr
 
-            with self._lock:
+            with self._info_lock:  # NOTE: not `_lock`: building it takes a while, and submit() must not wait
                 if self._info is None:
                     # The model's vocab_size, not the tokenizer's: the logits rows are that wide, and ids
                     # the tokenizer lacks (padding rows of the embedding) are never allowed.
