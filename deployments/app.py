@@ -18,7 +18,9 @@ import ray
 from ray import serve
 
 from deployments.config import ServeConfig
+from engine.config import schema_limits
 from deployments.frontend.http_app import build_openai_app
+from deployments.frontend.structured_request import set_schema_limits
 from deployments.cluster.router import WORKER_PREFIX, RouterActor
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
@@ -71,6 +73,7 @@ class OpenAIIngress:
         # worker's node, which a multi-node cluster's ingress node need not have.
         tokenizer = load_tokenizer(cfg.engine.model, cfg.engine.dtype, cfg.engine.cache_dir)
         self.backend = RouterBackend(self.router, self.hub, hub_id, cfg.request_timeout_s)
+        set_schema_limits(schema_limits(cfg.engine))  # the door refuses what the engines would
         self._asgi = build_openai_app(self.backend, tokenizer, cfg.served_model_name, info.max_model_len,
                                       api_key=cfg.api_key, vocab_size=info.vocab_size,
                                       scheduling_policy=cfg.engine.scheduling_policy)

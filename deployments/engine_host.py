@@ -84,7 +84,8 @@ class EngineHost:
         self.exit_on_device_loss = exit_on_device_loss
         self.lock = threading.RLock()
         self.num_steps = 0
-        self.last_error: str | None = None
+        self.last_error: str | None = None  # what /health reports: never exception text (that is logged)
+        self._step_error = False  # last_error is a failed step's (cleared by the next step that runs)
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._closed = False
@@ -205,10 +206,14 @@ class EngineHost:
                     outputs = eng.step(forward=self.forward())
                     stats = eng.last_step
                 self.num_steps += 1
+                if self._step_error:  # a step ran again: the failure is over (health recovers)
+                    self._step_error, self.last_error = False, None
                 self.hooks.after_step(outputs, stats)
             except Exception as exc:  # noqa: BLE001 - a broken step must not end the host silently
                 logger.exception("%s: engine step failed", self.name)
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                # NOTE: no exception text: last_error is shown by /health; the text stays in the log.
+                self.last_error = f"an engine step failed ({type(exc).__name__}); see the server log"
+                self._step_error = True
                 self._exit_if_device_broken(exc)
                 self.hooks.step_failed(exc)
                 continue

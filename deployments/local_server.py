@@ -52,11 +52,14 @@ def build_single_process_app(cfg: ServeConfig):
     app; returns (app, backend). `backend.shutdown()` stops the engine."""
     from deployments.frontend.backend import LocalEngineBackend
     from deployments.frontend.http_app import build_openai_app
+    from deployments.frontend.structured_request import set_schema_limits
     from engine import LLMEngine
+    from engine.config import schema_limits
 
     engine = LLMEngine(single_process_engine_config(cfg))
     backend = LocalEngineBackend(engine, max_queued_requests=cfg.max_queued_requests,
                                  request_timeout_s=cfg.request_timeout_s)
+    set_schema_limits(schema_limits(cfg.engine))  # the door refuses what the engines would
     app = build_openai_app(backend, engine.tokenizer, cfg.served_model_name, engine.max_model_len,
                            api_key=cfg.api_key, vocab_size=engine.vocab_size,
                            scheduling_policy=cfg.engine.scheduling_policy)

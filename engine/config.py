@@ -145,6 +145,24 @@ class EngineConfig:
         doc="Each step weighs the tokens the drafts are expected to add (from each sequence's recent "
             "acceptance) against what the extra tokens cost (a running fit of this engine's step time on "
             "its token count), so speculation fades out as the batch grows and the step turns compute-bound")
+    grammar_compile_timeout_s: float = setting(
+        10.0, "the longest a request waits for its grammar (structured outputs) to compile, queueing included; "
+              "past it the request alone fails with a 400 naming its field",
+        doc="Grammars compile on `grammar_compile_workers` threads off the step loop: other requests keep "
+            "stepping meanwhile. A compile that cannot be interrupted runs on to its end with nobody waiting "
+            "(its thread stays busy); the spec is then remembered and refused at once next time")
+    grammar_compile_workers: int = setting(2, "threads compiling grammars (structured outputs) per engine")
+    grammar_cache_mb: int = setting(256, "compiled grammars kept per engine, in MiB (least recently used go first)")
+    max_schema_depth: int = setting(
+        32, "deepest nesting of a JSON schema (response_format, guided_json, tools) accepted; deeper is a 400",
+        doc="Checked at the door and in the engine before anything compiles; parsing grows with the cube of "
+            "the depth")
+    max_schema_properties: int = setting(512, "most `properties` entries in one JSON schema; more is a 400")
+    max_schema_length_bound: int = setting(
+        2048, "largest minLength/maxLength/minItems/maxItems/minProperties/maxProperties in a JSON schema; larger "
+              "is a 400", doc="Each bounded string compiles to a bounded repetition whose cost grows with the "
+                              "bound (one `maxLength: 2000` property: ~2 s on one core)")
+    max_guided_choices: int = setting(1024, "most options in a guided_choice; more is a 400")
     cache_dir: str | None = setting(None, "where converted GGUF weights are cached ($PDSERVE_CACHE_DIR too)",
                                     default_doc="~/.cache/pdserve", cli=False)
 
@@ -182,8 +200,22 @@ class EngineConfig:
                                     f"${SPECULATIVE_METHOD_ENV} when set)")
         if isinstance(self.num_speculative_tokens, bool) or not 1 <= self.num_speculative_tokens <= 64:
             raise EngineConfigError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise EngineConfigError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
+        for name in ("grammar_compile_workers", "grammar_cache_mb", "max_schema_depth", "max_schema_properties",
+                     "max_schema_length_bound", "max_guided_choices"):
+            if isinstance(getattr(self, name), bool) or getattr(self, name) <= 0:
+                raise EngineConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def schema_limits(config: EngineConfig):
+    """The `engine.structured.SchemaLimits` these settings ask for (the door checks the same)."""
+    from engine.structured import SchemaLimits
+
+    return SchemaLimits(max_depth=config.max_schema_depth, max_properties=config.max_schema_properties,
+                        max_length_bound=config.max_schema_length_bound, max_choices=config.max_guided_choices)
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, dtype: str) -> str:

@@ -16,3 +16,22 @@ class PromptTooLongError(InvalidRequestError):
 
 class EngineConfigError(ValueError):
     """An engine setting is invalid; the message says what to fix."""
+
+
+# NOTE: a request that fails in its engine after it was accepted (its grammar did not compile there)
+# reaches the door as a RequestOutput's `error` text, across processes; a text made here says "the
+# client's fault, name this field", and the door turns it back into an InvalidRequestError (a 400).
+_INVALID_PREFIX = "invalid request: "
+
+
+def invalid_request_text(field: str, message: str) -> str:
+    """`RequestOutput.error` for a request refused after it was accepted (`parse_invalid_request`)."""
+    return f"{_INVALID_PREFIX}{field}: {message}"
+
+
+def parse_invalid_request(error: str | None) -> InvalidRequestError | None:
+    """The InvalidRequestError an `invalid_request_text` carries; None for any other error text."""
+    if not error or not error.startswith(_INVALID_PREFIX):
+        return None
+    field, _, message = error[len(_INVALID_PREFIX):].partition(": ")
+    return InvalidRequestError(field, message) if field and message else None

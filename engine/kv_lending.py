@@ -104,11 +104,10 @@ class KVLending:
         resumed = _resumed_tail(prompt_token_ids, num_resumed_output)
         req = Request(request_id, list(prompt_token_ids), params, priority=priority,
                       sample_seed=self.engine._new_sample_seed(params), cache_salt=cache_salt, prompt_logprobs_sent=True,
-                      grammar=self.engine.grammars.state_for(params, resumed + list(output_token_ids)),
                       num_resumed_output=len(resumed))
         req.output_token_ids = list(output_token_ids)
         req.block_table = list(block_ids)
         req.num_computed_tokens = num_computed_tokens
         assert num_computed_tokens < req.num_tokens, "nothing left to decode"
-        self.engine._requests[request_id] = req
-        self.engine.scheduler.add_running(req)
+        # A grammar not compiled here yet: the request (and its blocks) waits off the step loop for it.
+        self.engine.admit_with_grammar(req, resumed + list(output_token_ids), self.engine.scheduler.add_running)

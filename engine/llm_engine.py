@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, kv_cache_torch_dtype
-from engine.errors import InvalidRequestError, PromptTooLongError
+from engine.config import EngineConfig, kv_cache_torch_dtype, schema_limits
+from engine.errors import InvalidRequestError, PromptTooLongError, invalid_request_text
 from engine.host_memory import keep_freed_memory
 from engine.logprobs import attach_logprobs, record_prompt_logprobs
 from engine.model_loader import load_model_and_tokenizer
@@ -24,7 +24,7 @@ from engine.stop_strings import hit_stop_string
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec.speculator import Speculator, SpecStats
-from engine.structured import GrammarCache
+from engine.structured import GrammarCache, GrammarJob
 
 logger = logging.getLogger(__name__)
 MAX_CACHE_SALT_CHARS = 1024
@@ -42,6 +42,16 @@ def _resumed_tail(prompt_ids: list[int], num_resumed_output: int) -> list[int]:
     if not isinstance(num_resumed_output, int) or not 0 <= num_resumed_output < max(len(prompt_ids), 1):
         raise InvalidRequestError("num_resumed_output", f"must be in [0, {len(prompt_ids)}), got {num_resumed_output!r}")
     return list(prompt_ids[len(prompt_ids) - num_resumed_output:]) if num_resumed_output else []
+
+
+@dataclass(slots=True)
+class _AwaitingGrammar:
+    """A request parked until its grammar compiles, and how to admit it then."""
+
+    request: Request
+    job: GrammarJob
+    grammar_prefix: list[int]  # tokens the grammar accepts before the request's next one
+    admit: object  # Scheduler.add or Scheduler.add_running
 
 
 @dataclass(slots=True)
@@ -110,7 +120,15 @@ class LLMEngine:
         self.last_step = StepStats()
         self._step_accepted = 0  # drafts accepted in the step being postprocessed
         self.speculator = Speculator(config) if config.speculative_method != "off" else None
-        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))  # compiled on use
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+                                     max_bytes=config.grammar_cache_mb << 20, workers=config.grammar_compile_workers,
+                                     timeout_s=config.grammar_compile_timeout_s, limits=schema_limits(config))
+        # Requests waiting for their grammar to compile (off this thread): not in the scheduler, so no
+        # step waits for them; `_admit_compiled` moves each in once its grammar is ready.
+        self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
+        # The requests the last step scheduled (None: it failed before scheduling): a step that raises
+        # ends only these (deployments/engine_host.py's owners read it).
+        self.step_request_ids: list[str] | None = []
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt: Prompt) -> list[int]:
@@ -174,14 +192,76 @@ class LLMEngine:
         resumed = _resumed_tail(prompt_ids, num_resumed_output)
         req = Request(request_id, prompt_ids, params, priority=priority, prefill_only=prefill_only,
                       urgent=urgent, sample_seed=self._new_sample_seed(params), cache_salt=cache_salt,
-                      grammar=self.grammars.state_for(params, resumed), num_resumed_output=len(resumed))
+                      num_resumed_output=len(resumed))
         if arrival_time is not None:
             req.arrival_time = min(arrival_time, req.arrival_time)
-        self._requests[request_id] = req
-        self.scheduler.add(req)
+        self.admit_with_grammar(req, resumed, self.scheduler.add)
+
+    def admit_with_grammar(self, req: Request, grammar_prefix: list[int], admit) -> None:
+        """Hand `req` to `admit` (a scheduler method) now if it has no grammar or its grammar is compiled;
+        else park it until the grammar is ready (`step` admits it then). Raises InvalidRequestError
+        at once for a spec known not to compile. `grammar_prefix`: tokens its grammar must accept first."""
+        spec = req.params.structured
+        job = self.grammars.submit(spec) if spec is not None else None
+        if job is not None and not job.future.done():
+            self._requests[req.request_id] = req
+            self._awaiting_grammar[req.request_id] = _AwaitingGrammar(req, job, grammar_prefix, admit)
+            return
+        try:
+            if job is not None:
+                req.grammar = self.grammars.state_from(job.future.result(), spec, grammar_prefix, req.params.min_tokens)
+        finally:
+            if job is not None:
+                self.grammars.release(job)
+        self._requests[req.request_id] = req
+        admit(req)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Move requests whose grammar is ready into the scheduler; end those whose grammar failed or ran
+        past its time budget (each alone, naming its field). Their outputs."""
+        failed: list[RequestOutput] = []
+        now = time.monotonic()
+        for rid, w in list(self._awaiting_grammar.items()):
+            job, spec = w.job, w.request.params.structured
+            if not job.future.done():
+                if now - job.submitted_at <= self.grammars.timeout_s:
+                    continue
+                error: str | None = invalid_request_text(spec.field, self.grammars.too_slow_message)
+            else:
+                try:
+                    w.request.grammar = self.grammars.state_from(job.future.result(), spec, w.grammar_prefix,
+                                                                 w.request.params.min_tokens)
+                    error = None
+                except InvalidRequestError as exc:
+                    error = invalid_request_text(exc.field, exc.message)
+            del self._awaiting_grammar[rid]
+            self.grammars.release(job)
+            if error is None:
+                w.admit(w.request)
+            else:
+                failed.append(self._fail_unscheduled(w.request, error))
+        return failed
+
+    def _fail_unscheduled(self, req: Request, error: str) -> RequestOutput:
+        """End a request the scheduler never saw (it waited for its grammar); its blocks (a prefilled
+        request brings some) go back."""
+        req.status = RequestStatus.FINISHED_ERROR
+        if req.block_table:
+            self.block_manager.free(req.block_table)
+            req.block_table = []
+        self._requests.pop(req.request_id, None)
+        return RequestOutput(request_id=req.request_id, new_token_ids=[], token_ids=[], finished=True,
+                             finish_reason=RequestStatus.FINISHED_ERROR.value, num_prompt_tokens=req.num_prompt_tokens,
+                             error=error)
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks. Returns False if unknown."""
+        waiting = self._awaiting_grammar.pop(request_id, None)
+        if waiting is not None:  # its compile is cancelled if nobody else waits for it and it has not started
+            self.grammars.release(waiting.job)
+            self._fail_unscheduled(waiting.request, "aborted")
+            waiting.request.status = RequestStatus.FINISHED_ABORTED
+            return True
         req = self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
         if req is not None:
@@ -201,7 +281,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the loop
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._awaiting_grammar)
+
+    @property
+    def num_awaiting_grammar(self) -> int:
+        """Requests accepted but waiting for their grammar to compile (not scheduled yet)."""
+        return len(self._awaiting_grammar)
 
     @property
     def num_running(self) -> int:
@@ -209,7 +294,7 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._awaiting_grammar)
 
     @property
     def prefill_backlog(self) -> int:
@@ -224,16 +309,20 @@ class LLMEngine:
         """One step. `forward`: entered around the model's forward pass only, which touches no request
         and no block-manager state (a worker lets a narrow block-manager call run meanwhile)."""
         t0 = time.perf_counter()
+        grammar_failures = self._admit_compiled() if self._awaiting_grammar else []
         cached_before = self.scheduler.num_cached_tokens
         if self.speculator is not None:
             s = self.scheduler
             admitting = bool(s.waiting) and len(s.running) < self.config.max_num_seqs
             self.speculator.propose(s.running, self.max_model_len, admitting)
         t_sched = time.perf_counter()
+        self.step_request_ids = None
         sched = self.scheduler.schedule()
+        # NOTE: kept until the next step: if this one raises, these are the requests it held.
+        self.step_request_ids = [c.request.request_id for c in sched.chunks]
         if sched.empty:
             self.last_step = StepStats()
-            return []
+            return grammar_failures
         with forward or contextlib.nullcontext():
             logits = self.runner.run(sched)
         record_prompt_logprobs(sched.chunks, logits.prompt_logprobs)
@@ -253,7 +342,7 @@ class LLMEngine:
             num_seqs=len(sched.chunks), num_preempted=len(sched.preempted),
             num_cached_tokens=self.scheduler.num_cached_tokens - cached_before, duration_s=duration,
             num_draft_tokens=sum(c.num_spec for c in decode), num_accepted_tokens=self._step_accepted)
-        return outputs
+        return grammar_failures + outputs if grammar_failures else outputs
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         sampling = [c for c in sched.chunks if c.samples]

@@ -270,9 +270,21 @@ class LocalEngineBackend:
                 list(out.new_token_ids), out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
                 out.num_cached_tokens, _list_or_none(out.logprobs), out.prompt_logprobs))
 
-    def _step_failed(self, _exc: BaseException) -> None:
-        # A bug or a device failure: fail every request, keep serving.
-        self._fail_all("error", self.last_error)
+    def _step_failed(self, exc: BaseException) -> None:
+        # A bug or a device failure: the requests that step held end (with a generic message: the
+        # exception text stays in the log); the others keep going. Every request if the step failed
+        # before it scheduled.
+        error = f"generation failed: the engine step failed ({type(exc).__name__})"
+        held = self.engine.step_request_ids
+        if held is None:
+            self._fail_all("error", error)
+            return
+        for rid in held:
+            self.engine.abort(rid)
+            with self._cv:
+                stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._post(stream, TokenDelta([], True, "error", error, stream.num_prompt_tokens))
 
     def _close_all(self) -> None:
         self._fail_all("abort", None)
@@ -312,4 +324,4 @@ class LocalEngineBackend:
             self.engine.check_integrity()
         except AssertionError as e:
             logger.error("KV cache integrity check failed while idle: %s", e)
-            self.last_error = f"integrity: {e}"
+            self.last_error = "the KV cache integrity check failed; see the server log"

@@ -13,6 +13,7 @@ the API key is checked by http_auth.py.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -23,14 +24,14 @@ from fastapi.responses import JSONResponse, Response
 from deployments.frontend.backend import GenerateBackend
 from deployments.frontend.auth import bearer_matches
 from deployments.frontend.http_auth import BearerAuth
-from deployments.frontend.http_body import MAX_BODY_BYTES, parse_body
+from deployments.frontend.http_body import INLINE_PARSE_BYTES, MAX_BODY_BYTES, parse_body
 from deployments.frontend.http_errors import add_error_handlers, api_error
 from deployments.frontend.http_stream import ResponseOptions, respond
 from deployments.frontend.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
 from deployments.frontend.openai_responses import ModelCard, ModelList
 from deployments.frontend.fanout import FanOut
 from deployments.frontend.openai_choices import ChoiceFormatter, ChoiceOptions
-from deployments.frontend.prepare import PromptInput, PromptKind, ServedModel, prepare_off_loop
+from deployments.frontend.prepare import PromptInput, PromptKind, ServedModel, prepare, prepare_off_loop
 from engine import InvalidRequestError
 
 
@@ -126,9 +127,15 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     backend, model = state.ready()
     try:
         model_name = model.check_name(body.model)
-        prompts = [body.prompt_input()] if chat else body.prompt_inputs()
-        sampling = body.sampling_input()
-        prepared = [await prepare_off_loop(model, p, sampling, body.priority or 0, body.cache_salt) for p in prompts]
+        if getattr(request.state, "body_bytes", 0) > INLINE_PARSE_BYTES:
+            # NOTE: a large body is prepared on a worker thread whatever field makes it large (a chat
+            # role, tools, a schema, many prompts): the event loop keeps serving streams and /health.
+            prompts, sampling, prepared = await asyncio.to_thread(_prepare_body, model, body, chat)
+        else:
+            prompts = [body.prompt_input()] if chat else body.prompt_inputs()
+            sampling = body.sampling_input()
+            prepared = [await prepare_off_loop(model, p, sampling, body.priority or 0, body.cache_salt)
+                        for p in prompts]
     except InvalidRequestError as e:
         raise api_error(e) from None
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -140,6 +147,13 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     opts = ResponseOptions(model=model_name, chat=chat, streaming=bool(body.stream),
                            include_usage=body.include_usage_in_stream, max_queue_wait_s=state.max_queue_wait_s)
     return await respond(request, stream, fmt, opts)
+
+
+def _prepare_body(model: ServedModel, body: CompletionRequest | ChatCompletionRequest, chat: bool):
+    """Every step of a body's preparation, in one call (for a worker thread)."""
+    prompts = [body.prompt_input()] if chat else body.prompt_inputs()
+    sampling = body.sampling_input()
+    return prompts, sampling, [prepare(model, p, sampling, body.priority or 0, body.cache_salt) for p in prompts]
 
 
 def _echo_text(model: ServedModel, prompt: PromptInput) -> str:

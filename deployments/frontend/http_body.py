@@ -118,6 +118,7 @@ def validation_error(errors: list[dict]) -> APIError:
 async def parse_body(request: Request, model: type[T], limit: int = MAX_BODY_BYTES) -> T:
     """The body as `model`; APIError (400, 413) for every way it can be wrong."""
     raw = await read_body(request, limit)
+    request.state.body_bytes = len(raw)  # the routes prepare a large body off the loop too (http_app.py)
     if len(raw) > INLINE_PARSE_BYTES:
         return await asyncio.to_thread(parse_bytes, raw, model)
     return parse_bytes(raw, model)

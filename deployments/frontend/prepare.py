@@ -214,12 +214,23 @@ def _max_tokens(model: ServedModel, prompt: PromptInput, num_prompt_tokens: int,
 INLINE_PREPARE_CHARS = 16384
 
 
+def prepare_size(prompt: PromptInput, sampling: SamplingInput) -> int:
+    """Roughly how much text `prepare` renders, tokenizes or parses: every field of every message
+    (content, role, name, tool calls: whichever is large), the prompt, the output constraint."""
+    value = prompt.value
+    if prompt.kind is PromptKind.CHAT:
+        size = sum(len(v) if isinstance(v, str) else len(str(v)) for m in value for v in m.values())
+    else:
+        size = len(value)
+    structured = getattr(sampling, "structured", None)
+    return size + (len(structured.value) if structured is not None else 0)
+
+
 async def prepare_off_loop(model: ServedModel, prompt: PromptInput, sampling: SamplingInput, priority: int = 0,
                            cache_salt: str | None = None) -> PreparedRequest:
     """`prepare`, on a worker thread when the prompt is long. NOTE: tokenizing a few MiB takes seconds;
     the tokenizer releases the GIL, so the event loop keeps serving every other stream meanwhile."""
-    value = prompt.value
-    size = sum(len(str(m.get("content") or "")) for m in value) if prompt.kind is PromptKind.CHAT else len(value)
+    size = prepare_size(prompt, sampling)
     if size <= INLINE_PREPARE_CHARS:
         return prepare(model, prompt, sampling, priority, cache_salt)
     return await asyncio.to_thread(prepare, model, prompt, sampling, priority, cache_salt)

@@ -10,10 +10,12 @@
     gRPC `structured_output {kind, value}`                        (kind, value) as sent
     tools + tool_choice "required" / a named function             tool_calls.py builds a json_schema
 
-At most one constraint per request: two are a 400 naming both. Every spec is compiled here with
-xgrammar (no tokenizer needed, so the door of a disaggregated deployment, which has no engine, can do
-it) and a spec that does not compile is an `InvalidRequestError` naming the field the client used,
-before anything is queued. Compiling takes microseconds to milliseconds; recent results are cached.
+At most one constraint per request: two are a 400 naming both. Every spec is first held to this
+door's `SchemaLimits` (depth, properties, length bounds, choices: `set_schema_limits`, from the engine
+settings `max_schema_*`), then parsed here with xgrammar (no tokenizer needed, so the door of a
+disaggregated deployment, which has no engine, can do it); a spec past a limit or that does not parse
+is an `InvalidRequestError` naming the field the client used, before anything is queued. The engine
+compiles it against the tokenizer later, off its step loop, under a time budget (engine/structured.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import re
 from typing import Any, NamedTuple
 
 from engine import InvalidRequestError
-from engine.structured import StructuredSpec
+from engine.structured import SchemaLimits, StructuredSpec, check_choice_limits, check_schema_limits, compile_error_text
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # vLLM's request fields (and the keys of its `structured_outputs` object) → the spec kind.
@@ -45,7 +47,17 @@ class FieldSpec(NamedTuple):
 
 
 # ---------------------------------------------------------------------- compile check
-_XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
+_limits = SchemaLimits()
+
+
+def set_schema_limits(limits: SchemaLimits) -> None:
+    """This door's limits (one per process: the server sets them from its engine settings at start)."""
+    global _limits
+    _limits = limits
+
+
+def schema_limits() -> SchemaLimits:
+    return _limits
 
 
 @functools.lru_cache(maxsize=128)
@@ -61,8 +73,7 @@ def _compile_error(kind: str, value: str) -> str | None:
         elif kind == "grammar":
             xgrammar.Grammar.from_ebnf(value)
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with its parser's message
-        message = _XGRAMMAR_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
-        return message[:MAX_ERROR_CHARS]
+        return compile_error_text(e)[:MAX_ERROR_CHARS]
     return None
 
 
@@ -88,10 +99,12 @@ def check_spec(spec: StructuredSpec, field: str) -> StructuredSpec:
         if spec.value:
             raise InvalidRequestError(field, "json_object takes no value")
     elif spec.kind == "choice":
-        _check_choices(json.loads(spec.value) if _is_json(spec.value) else None, field)
+        check_choice_limits(len(_check_choices(_parsed(spec.value, field), field)), field, _limits)
     elif spec.kind == "json_schema":
-        if not isinstance(json.loads(spec.value) if _is_json(spec.value) else None, dict):
+        schema = _parsed(spec.value, field)
+        if not isinstance(schema, dict):
             raise InvalidRequestError(field, "the schema must be a JSON object")
+        check_schema_limits(schema, field, _limits)  # NOTE: before xgrammar parses it (cubic in the depth)
     elif not spec.value:
         raise InvalidRequestError(field, f"the {spec.kind} must not be empty")
     error = _compile_error(spec.kind, spec.value)
@@ -100,12 +113,14 @@ def check_spec(spec: StructuredSpec, field: str) -> StructuredSpec:
     return spec
 
 
-def _is_json(text: str) -> bool:
+def _parsed(text: str, field: str) -> Any:
+    """`text` as JSON; None if it is not JSON. A 400 if it nests too deeply to parse."""
     try:
-        json.loads(text)
+        return json.loads(text)
+    except RecursionError:
+        raise InvalidRequestError(field, f"nests deeper than {_limits.max_depth} levels") from None
     except ValueError:
-        return False
-    return True
+        return None
 
 
 def _check_choices(choices: Any, field: str) -> list[str]:
@@ -119,12 +134,12 @@ def _check_choices(choices: Any, field: str) -> list[str]:
 def schema_spec(schema: Any, field: str) -> StructuredSpec:
     """A json_schema spec from a schema object or its JSON text; checked."""
     if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError:
-            raise InvalidRequestError(field, "the schema is not valid JSON") from None
+        schema = _parsed(schema, field)
+        if schema is None:
+            raise InvalidRequestError(field, "the schema is not valid JSON")
     if not isinstance(schema, dict):
         raise InvalidRequestError(field, "the schema must be a JSON object")
+    check_schema_limits(schema, field, _limits)  # before json.dumps, which recurses
     # NOTE: keys keep their order: properties are generated in the schema's order.
     return make_spec("json_schema", json.dumps(schema), field)
 

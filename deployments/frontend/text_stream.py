@@ -18,6 +18,7 @@ import anyio
 
 from deployments.frontend.backend import GenerateBackend, QueueFullError, TokenDelta
 from engine import InvalidRequestError, SamplingParams
+from engine.errors import parse_invalid_request
 
 if TYPE_CHECKING:
     from engine.request import TokenLogprob
@@ -175,6 +176,9 @@ class TextStream:
         self.prompt_logprobs = first.prompt_logprobs
         if first.finished and first.finish_reason == "error" and not first.token_ids:
             self._done = True
+            refused = parse_invalid_request(first.error)  # e.g. its grammar did not compile in the engine
+            if refused is not None:
+                raise refused
             raise self._failed(first.error or "the backend reported an error")
 
     async def chunks(self) -> AsyncIterator[TextChunk]:

@@ -4,7 +4,6 @@ returns at once, and the blocks are freed by the next holder of the engine lock.
 from __future__ import annotations
 
 import threading
-import time
 
 from deployments.cluster.kv_endpoint import KVExporter
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -36,9 +35,8 @@ def test_release_does_not_wait_for_a_busy_engine(tiny_model_dir):
         t = threading.Thread(target=busy_loop)
         t.start()
         stepping.wait(5)
-        t0 = time.monotonic()
         assert exporter.release("r1", handle.epoch)  # e.g. the receiver's ack
-        assert time.monotonic() - t0 < 0.5
+        assert t.is_alive()  # returned while the busy step still holds the lock: it did not wait for it
         assert eng.block_manager.num_used_blocks == 2  # not yet: the engine is busy
         done.set()
         t.join(5)

@@ -62,6 +62,17 @@ def _reference(backend: LocalEngineBackend, prompt_ids: list[int]) -> list[int]:
     return backend.run_on_engine(run).result(timeout=120)
 
 
+def _schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 def _bad_http(engine: LLMEngine) -> list[tuple[str, bytes, int, str | None]]:
     """(path, body, status, param) of requests that must fail, each with its own error."""
     v, L = engine.vocab_size, engine.max_model_len
@@ -82,6 +93,9 @@ def _bad_http(engine: LLMEngine) -> list[tuple[str, bytes, int, str | None]]:
         (c, j(prompt="hi", logit_bias={"5": 101}), 400, "logit_bias"), (c, j(prompt="hi", n=17), 400, "n"),
         (cc, j(messages=msgs, tools=[{"type": "function"}]), 400, "tools"),
         (cc, j(messages=msgs, response_format={"type": "json_schema"}), 400, "response_format"),
+        (cc, j(messages=msgs, response_format=_schema_format({"type": "string", "maxLength": 1e12})), 400,
+         "response_format"),
+        (cc, j(messages=msgs, response_format=_schema_format(_nested_schema(250))), 400, "response_format"),
         (cc, j(messages=msgs, frequency_penalty=3), 400, "frequency_penalty"),
         (c, j(prompt="hi", max_token=3), 400, "max_token"), (c, j(prompt="hi", model="gpt-x"), 404, "model"),
         (c, b'{"prompt": "hi", "temperature": NaN}', 400, None),

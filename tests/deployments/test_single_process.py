@@ -224,3 +224,34 @@ def test_sigterm_stops_the_server_cleanly(served):
     assert "pdserve: shutting down" in rest
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=5)
+
+
+def test_a_failed_step_ends_only_the_requests_it_held_and_health_recovers(tiny_model_dir):
+    """One step raises while it holds request "a" (max_num_seqs=1: "b" waits): "a" alone ends with a
+    generic error (no exception text), "b" then runs to its end, and /health is ok again after."""
+    eng = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), max_num_seqs=1, num_threads=1, kv_cache_memory_mb=16))
+    real_run, calls = eng.runner.run, []
+
+    def run(sched):
+        calls.append([c.request.request_id for c in sched.chunks])
+        if calls[-1] == ["a"] and len(calls) == 3:
+            raise RuntimeError("secret internal detail")
+        return real_run(sched)
+    eng.runner.run = run
+    backend = LocalEngineBackend(eng)
+    try:
+        async def scenario():
+            a = asyncio.create_task(_collect(backend, "a", [5, 6, 7], 8))
+            await asyncio.sleep(0.01)
+            b = asyncio.create_task(_collect(backend, "b", [8, 9, 10], 8))
+            return await asyncio.wait_for(a, 60), await asyncio.wait_for(b, 60)
+
+        events_a, events_b = asyncio.run(scenario())
+        assert events_a[-1].finish_reason == "error" and "RuntimeError" in events_a[-1].error
+        assert "secret" not in events_a[-1].error
+        assert events_b[-1].finish_reason == "length" and sum(len(e.token_ids) for e in events_b) == 8
+        health = asyncio.run(backend.health())
+        assert health["status"] == "ok" and health["last_error"] is None, health
+        assert backend.run_on_engine(lambda e: e.check_integrity() or e.num_running + e.num_waiting).result(10) == 0
+    finally:
+        backend.shutdown()

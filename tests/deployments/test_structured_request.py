@@ -230,3 +230,37 @@ def test_a_template_with_tools_renders_them_and_the_history(tokenizer):
     text = tok.decode(prepared.prompt_token_ids)
     assert text.startswith("TOOLS:get_weather;get_time;") and 'CALL get_weather{"city": "Oslo"}' in text
     assert "<tool>sunny" in text
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("fields,field,words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "string", "maxLength": 1e12}}}}, "response_format", "maxLength"),
+    ({"guided_json": _nested(250)}, "guided_json", "deeper"),
+    ({"guided_json": '{"properties": {"x": ' * 5000 + "{}" + "}}" * 5000}, "guided_json", "deeper"),  # too deep for json.loads itself
+    ({"structured_outputs": {"json": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                      for i in range(600)}}}},
+     "structured_outputs", "properties"),
+    ({"guided_choice": [f"c{i}" for i in range(2000)]}, "guided_choice", "choices"),
+])
+def test_schema_limits_are_a_400_naming_the_field_before_any_compile(fields, field, words):
+    """Past a limit: an InvalidRequestError (HTTP 400) naming the field, never a RecursionError, never
+    xgrammar's own text; checked before xgrammar parses anything (`_compile_error` is not reached)."""
+    from deployments.frontend import structured_request
+
+    calls = []
+    real = structured_request._compile_error
+    structured_request._compile_error = lambda kind, value: calls.append(kind) or real(kind, value)
+    try:
+        with pytest.raises(InvalidRequestError) as exc:
+            specs_from_fields(fields)
+    finally:
+        structured_request._compile_error = real
+    assert exc.value.field == field and words in exc.value.message and ".cc" not in exc.value.message
+    assert calls == []

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from unittest import mock
 
 import jsonschema
 import pytest
 
 from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
-from engine.structured import GrammarCache, GrammarState, StructuredSpec
+from engine.errors import parse_invalid_request
+from engine.structured import GrammarCache, GrammarState, StructuredSpec, compile_error_text
 from engine.kv_lending import KVLending
 
 SCHEMA = {
@@ -90,8 +93,21 @@ def test_min_tokens_yields_to_a_complete_grammar(llm, temperature):
     (StructuredSpec("grammar", 'start ::= "a"'), "guided_grammar"),
 ])
 def test_bad_specs_are_refused_naming_the_field(llm, spec, field):
+    """A spec that does not compile ends its request alone, with an error naming the field (compiled off
+    the step loop: the refusal comes with a step's outputs); the same spec again is refused at once."""
     eng = llm.engine
-    with pytest.raises(InvalidRequestError) as exc:
+    eng.add_request("bad", [5, 6], SamplingParams(structured=spec))
+    outs = []
+    for _ in range(10_000):
+        outs += [o for o in eng.step() if o.request_id == "bad"]
+        if outs or not eng.has_unfinished_requests():
+            break
+        time.sleep(0.001)
+    assert len(outs) == 1 and outs[0].finish_reason == "error", outs
+    refused = parse_invalid_request(outs[0].error)
+    assert refused is not None and refused.field == field and ".cc:" not in outs[0].error
+    assert not eng.has_unfinished_requests()
+    with pytest.raises(InvalidRequestError) as exc:  # remembered: refused before anything is queued
         eng.add_request("bad", [5, 6], SamplingParams(structured=spec))
     assert exc.value.field == field and not eng.has_unfinished_requests()
     with pytest.raises(InvalidRequestError):
@@ -99,17 +115,130 @@ def test_bad_specs_are_refused_naming_the_field(llm, spec, field):
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # still serving
 
 
-def test_compiled_grammars_are_cached_lru(llm):
-    cache = GrammarCache(llm.tokenizer, llm.engine.vocab_size, [llm.tokenizer.eos_token_id], max_entries=2)
+def test_compiled_grammars_are_cached_lru_within_a_byte_budget(llm):
+    probe = GrammarCache(llm.tokenizer, llm.engine.vocab_size, [llm.tokenizer.eos_token_id])
     a, b, c = (StructuredSpec("regex", p) for p in ("a+", "b+", "c+"))
+    sizes = [probe.compile(s).memory_size_bytes for s in (a, b, c)]
+    assert min(sizes) > 0 and probe.num_bytes == sum(sizes)
+    size = sizes[0]
+    budget = sum(sizes) - 1  # any two fit, not all three
+    cache = GrammarCache(llm.tokenizer, llm.engine.vocab_size, [llm.tokenizer.eos_token_id], max_bytes=budget)
     assert cache.compile(a) is cache.compile(a) and cache.num_compiled == 1
     cache.compile(b)
     cache.compile(a)  # a is now the most recent: c evicts b
     cache.compile(c)
     cache.compile(a)
-    assert cache.num_compiled == 3
+    assert cache.num_compiled == 3 and cache.num_bytes <= budget
     cache.compile(b)
     assert cache.num_compiled == 4
+    tiny = GrammarCache(llm.tokenizer, llm.engine.vocab_size, [llm.tokenizer.eos_token_id], max_bytes=size // 2)
+    tiny.compile(a)
+    tiny.compile(a)  # larger than the whole budget: never kept
+    assert tiny.num_compiled == 2 and tiny.num_bytes == 0
+
+
+class _SlowCompiles:
+    """Grammar compiles that wait for `release()` (an injected slow compiler): what a test of "the
+    engine keeps stepping meanwhile" needs without depending on how fast a real compile is."""
+
+    def __init__(self):
+        self.gate = threading.Event()
+        self.started = threading.Semaphore(0)
+        self._real = GrammarCache._compile
+
+    def __enter__(self):
+        slow = self
+
+        def compile_slowly(cache, spec):
+            slow.started.release()
+            assert slow.gate.wait(60), "the test never released the compile"
+            return slow._real(cache, spec)
+        self._patch = mock.patch.object(GrammarCache, "_compile", compile_slowly)
+        self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.gate.set()
+        self._patch.__exit__(*exc)
+
+
+def test_the_engine_keeps_stepping_while_a_grammar_compiles(llm):
+    """A request whose grammar is compiling waits in its own state, holding no step: the others are
+    scheduled and produce tokens every step meanwhile; once compiled, it runs and matches its grammar."""
+    eng = llm.engine
+    spec = StructuredSpec("regex", "[a-c]{3}-[0-9]{2}")
+    with _SlowCompiles() as slow:
+        eng.add_request("slow", PROMPTS[0], SamplingParams(max_tokens=20, temperature=0, structured=spec))
+        assert slow.started.acquire(timeout=30)  # the compile is running on its worker
+        eng.add_request("plain", PROMPTS[1], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+        plain_tokens = 0
+        for _ in range(12):
+            outs = eng.step()
+            assert [o.request_id for o in outs] == ["plain"] and eng.num_awaiting_grammar == 1
+            plain_tokens += len(outs[0].new_token_ids)
+        assert plain_tokens == 12 and not eng.grammars.cached(spec)  # every step made a token; still compiling
+        slow.gate.set()
+        done = None
+        for _ in range(10_000):
+            done = next((o for o in eng.step() if o.request_id == "slow" and o.finished), done)
+            if done is not None:
+                break
+            time.sleep(0.001)
+    assert done.finish_reason == "stop" and re.fullmatch("[a-c]{3}-[0-9]{2}", done.text), done
+    assert eng.num_awaiting_grammar == 0
+
+
+def test_a_compile_past_its_budget_fails_its_request_alone_and_abort_cancels(llm):
+    eng = llm.engine
+    spec = StructuredSpec("regex", "[x-z]{4}")
+    eng.grammars.timeout_s, budget = 0.2, eng.grammars.timeout_s
+    try:
+        with _SlowCompiles():
+            eng.add_request("late", PROMPTS[0], SamplingParams(max_tokens=8, structured=spec))
+            eng.add_request("plain", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+            late = None
+            for _ in range(100_000):  # the plain request steps on meanwhile; its budget ends the late one
+                late = next((o for o in eng.step() if o.request_id == "late"), None)
+                if late is not None:
+                    break
+                time.sleep(0.001)
+            refused = parse_invalid_request(late.error)
+            assert late.finish_reason == "error" and refused.field == "guided_regex" and "budget" in refused.message
+            assert eng.abort("plain") and not eng.has_unfinished_requests()
+            # A queued compile whose only waiter leaves is cancelled: the pool's workers are taken.
+            other = [StructuredSpec("regex", f"q{i}+") for i in range(eng.config.grammar_compile_workers + 1)]
+            for i, s in enumerate(other):
+                eng.add_request(f"w{i}", PROMPTS[0], SamplingParams(max_tokens=4, structured=s))
+            queued = eng._awaiting_grammar[f"w{len(other) - 1}"].job
+            assert eng.abort(f"w{len(other) - 1}") and queued.future.cancelled()
+            for i in range(len(other) - 1):
+                assert eng.abort(f"w{i}")
+            assert not eng.has_unfinished_requests()
+        for _ in range(6000):  # its compile, left running with nobody waiting, ends once released
+            if eng.grammars.num_running == 0:
+                break
+            time.sleep(0.005)
+        with pytest.raises(InvalidRequestError) as exc:  # ...and the slow spec is remembered as too slow
+            eng.add_request("again", PROMPTS[0], SamplingParams(max_tokens=8, structured=spec))
+        assert "budget" in exc.value.message and not eng.has_unfinished_requests()
+    finally:
+        eng.grammars.timeout_s = budget
+
+
+def test_schema_limits_refuse_before_compiling(llm):
+    eng = llm.engine
+    deep: dict = {"type": "string"}
+    for _ in range(250):
+        deep = {"type": "array", "items": deep}
+    cases = [({"type": "string", "maxLength": 1e12}, "maxLength"), (deep, "deeper"),
+             ({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}, "properties")]
+    for schema, word in cases:
+        with pytest.raises(InvalidRequestError) as exc:
+            eng.grammars.compile(StructuredSpec("json_schema", json.dumps(schema)))
+        assert exc.value.field == "response_format" and word in exc.value.message
+    assert compile_error_text(RuntimeError("[10:00:00] /x/grammar_functor.cc:2340: Check failed: (a) is false: "
+                                           "bad bound")) == "bad bound"
+    assert ".cc" not in compile_error_text(RuntimeError("/x/y.cc:12: internal"))
 
 
 def test_resumed_request_continues_its_grammar(tiny_model_dir):
@@ -118,11 +247,13 @@ def test_resumed_request_continues_its_grammar(tiny_model_dir):
     spec = StructuredSpec("json_schema", json.dumps(SCHEMA))
     params = SamplingParams(max_tokens=160, temperature=1.0, seed=7, structured=spec)
     prompt = PROMPTS[1]
+    pre.grammars.compile(spec)  # compiled before: the first step prefills it
     pre.add_request("r", prompt, params, prefill_only=True)
     first = [o for o in pre.step() if o.request_id == "r"][0]
     ids = KVLending(dec).allocate_blocks(len(prompt))
     dec.runner.kv_cache[ids] = pre.runner.kv_cache[first.block_ids]
     KVLending(pre).release_prefilled("r")
+    dec.grammars.compile(spec)  # compiled: the refusal below comes at once (the caller keeps the blocks)
     with pytest.raises(InvalidRequestError) as exc:  # tokens the grammar does not allow
         KVLending(dec).add_prefilled_request("x", prompt, [first.token_ids[0], 999], params, ids, len(prompt))
     assert exc.value.field == "output_token_ids"
