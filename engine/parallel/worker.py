@@ -112,7 +112,8 @@ def launch_local(config: EngineConfig, world: int | None = None, timeout_s: floa
     for p in procs:
         p.start()
     try:
-        tp = TPGroup.connect(0, world, init_method, rank_device(config.device, 0), timeout_s, store=store)
+        tp = _join_watching(procs, lambda: TPGroup.connect(0, world, init_method, rank_device(config.device, 0),
+                                                           timeout_s, store=store))
         engine = LLMEngine(config, tp_group=tp)
     except BaseException:
         _stop(procs, 0.0)
@@ -120,6 +121,32 @@ def launch_local(config: EngineConfig, world: int | None = None, timeout_s: floa
     engine._on_close.append(lambda: _stop(procs, JOIN_TIMEOUT_S))
     engine.follower_pids = [p.pid for p in procs]
     return engine
+
+
+def _join_watching(procs, join):
+    """`join()` (the group's rendezvous) in a thread, failing at once if a follower process dies first
+    (an import error, a bad model path) instead of after the rendezvous timeout."""
+    import threading
+
+    box: dict = {}
+
+    def target():
+        try:
+            box["tp"] = join()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=target, name="pdserve-tp-rendezvous", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.2)
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead and t.is_alive():
+            raise RuntimeError(f"tensor parallelism: follower {dead[0].name} exited (code {dead[0].exitcode}) "
+                               "before the group formed; its log says why")
+    if "error" in box:
+        raise box["error"]
+    return box["tp"]
 
 
 def _stop(procs, join_timeout_s: float) -> None:
