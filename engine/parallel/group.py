@@ -157,10 +157,13 @@ class TPGroup:
             self.store.delete_key(f"{MESSAGE_KEY}{self._seq - 1}")
         self._last_was_step = is_step
 
-    def recv(self, poll_s: float = 1.0, idle_timeout_s: float | None = None) -> Any:
+    def recv(self, poll_s: float = 30.0, idle_timeout_s: float | None = None) -> Any:
         """A follower's next message from rank 0. Waits `poll_s` at a time while rank 0's store answers;
-        raises `LeaderGone` when it does not (rank 0's process ended) or after `idle_timeout_s`
-        without a message (None: no idle limit)."""
+        raises `LeaderGone` when it does not (rank 0's process ended: the pending wait fails at once,
+        its connection closed) or after `idle_timeout_s` without a message (None: no idle limit).
+
+        NOTE: c10d logs a warning at each wait that times out: a long `poll_s` keeps an idle
+        follower's log quiet; it does not delay noticing rank 0's end."""
         assert self.rank > 0
         key = f"{MESSAGE_KEY}{self._seq + 1}"
         t0 = time.monotonic()

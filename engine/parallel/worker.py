@@ -39,13 +39,14 @@ def rank_device(device: str, rank: int) -> str:
 
 def run_follower(config: EngineConfig, rank: int, world: int, init_method: str,
                  timeout_s: float = DEFAULT_TIMEOUT_S, idle_timeout_s: float | None = None,
-                 poll_s: float = 1.0) -> str:
+                 poll_s: float = 30.0) -> str:
     """Rank `rank` (> 0) of `world`: join the group at `init_method`, build this rank's runner, run
     steps until rank 0 sends Shutdown or goes away. Returns why it stopped ("shutdown", "leader gone").
 
     Every wait is bounded: the group's rendezvous and each collective by `timeout_s` (a rank that
-    died fails the step), the wait for the next message by rank 0's store staying reachable (checked
-    every `poll_s`) and, when given, `idle_timeout_s` without any message."""
+    died fails the step), the wait for the next message by rank 0's store staying reachable (its
+    connection closing ends the wait; a wait lasts `poll_s` at most before it is renewed) and, when
+    given, `idle_timeout_s` without any message."""
     from engine.host_memory import keep_freed_memory
     from engine.model_setup import build_runner, load_model
 
