@@ -82,9 +82,10 @@ class LLMEngine:
                 f"tensor_parallel_size={config.tensor_parallel_size}, but tp_group is rank {tp.rank} of {tp.world} "
                 "(LLMEngine runs on rank 0 of a group of that size)")
         # NOTE: the loader by this module's name: benchmarks/gpu_shapes.py swaps in a prebuilt model there.
-        self.hf_model, self.tokenizer, self.model_dir, matmul_dtype = load_model(config, load_model_and_tokenizer)
+        self.hf_model, self.tokenizer, self.model_dir, matmul_dtype, weights = load_model(
+            config, load_model_and_tokenizer, tp)
         hf_cfg = self.hf_model.config
-        self.runner = build_runner(config, self.hf_model, matmul_dtype, tp)
+        self.runner = build_runner(config, self.hf_model, matmul_dtype, tp, weights)
         num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)

@@ -128,6 +128,12 @@ def load_tokenizer(model: str | None, dtype: str = "float32", cache_dir: str | N
     return AutoTokenizer.from_pretrained(resolve_model_dir(model, getattr(torch, dtype), cache_dir))
 
 
+def check_model_type(hf_cfg) -> None:
+    if hf_cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise EngineConfigError(
+            f"model type {hf_cfg.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
 def load_model_and_tokenizer(model: str | None, dtype: str = "float32", device: str = "cpu",
                              cache_dir: str | None = None):
     """Returns (hf_model in eval mode on `device`, tokenizer, model_dir)."""
@@ -136,10 +142,6 @@ def load_model_and_tokenizer(model: str | None, dtype: str = "float32", device: 
     torch_dtype = getattr(torch, dtype)
     model_dir = resolve_model_dir(model, torch_dtype, cache_dir)
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-    if hf_model.config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise EngineConfigError(
-            f"model type {hf_model.config.model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    check_model_type(hf_model.config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return hf_model.to(device).eval(), tokenizer, model_dir

@@ -65,17 +65,18 @@ class ModelRunner:
     def __init__(self, hf_model, num_blocks: int, block_size: int, device: str, kv_dtype: torch.dtype | None = None,
                  matmul_dtype: torch.dtype | None = None, ops_backend: str = "auto", cuda_graphs: bool = True,
                  max_num_seqs: int = 64, max_model_len: int | None = None, num_speculative_tokens: int = 0,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, weights=None):
         """`matmul_dtype`: the dtype of the linear layers' products when it is not the model's (bf16 over
         an fp32 model on CPU: `LLMEngine`). `cuda_graphs`: replay decode and verify steps from CUDA
         graphs (CUDA with the Triton backend only; mixed steps always run eagerly; not under tensor
         parallelism). `tp`: this rank's group (engine.parallel); rank 0's runner hands every step's
-        host inputs to the other ranks, which run `run_eager` on them (`engine.parallel.worker`)."""
+        host inputs to the other ranks, which run `run_eager` on them (`engine.parallel.worker`);
+        `weights`: where its slices come from (`LlamaModel`)."""
         self.hf_model = hf_model
         self.config = hf_model.config
         self.device = torch.device(device)
         self.tp = tp or TPGroup.single()
-        self.model = LlamaModel(hf_model, self.device, matmul_dtype, self.tp)
+        self.model = LlamaModel(hf_model, self.device, matmul_dtype, self.tp, weights)
         m = self.model
         self.dtype, self.matmul_dtype = m.dtype, m.matmul_dtype
         self.kv_dtype = kv_dtype or self.dtype  # the cache's elements; the other math stays in self.dtype

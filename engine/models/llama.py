@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.models.linear import Linear, can_prepack
+from engine.models.checkpoint import ModuleTensors
 from engine.models.sharding import ShardLayout, VocabParallelEmbedding, release, shard_weights
 from engine.ops.base import Ops
 from engine.ops.torch_ops import TorchOps
@@ -32,10 +33,12 @@ _REFERENCE = TorchOps()
 class LlamaModel:
     """`forward(ids, positions, meta, kv_cache, ops) -> (h, delta)`, then `logits(ops, h, delta, rows)`."""
 
-    def __init__(self, hf_model, device: torch.device, matmul_dtype: torch.dtype | None = None, tp=None):
+    def __init__(self, hf_model, device: torch.device, matmul_dtype: torch.dtype | None = None, tp=None,
+                 weights=None):
         """`matmul_dtype`: the dtype of the linear layers' products when it is not the model's (bf16 over
         an fp32 model on CPU: `LLMEngine`); everything else computes in the model's dtype. `tp`: this
-        rank's `TPGroup` (None: one device, the whole model)."""
+        rank's `TPGroup` (None: one device, the whole model). `weights`: where a TP rank reads its
+        slices (engine/models/checkpoint.py; None: from `hf_model`'s own modules, released after)."""
         cfg = hf_model.config
         self.config = cfg
         self.dtype = next(hf_model.parameters()).dtype
@@ -56,7 +59,7 @@ class LlamaModel:
         self.vocab_size = cfg.vocab_size
         self.tp = tp if tp is not None and tp.world > 1 else None
         if self.tp is not None:
-            self._shard(device)
+            self._shard(device, weights or ModuleTensors(hf_model))
             return
         qkv, gate_up = self._fuse_projections()
         self.fuse_silu = getattr(cfg, "hidden_act", None) == "silu" and all(gu is not None for gu in gate_up)
@@ -100,15 +103,17 @@ class LlamaModel:
         self.lin_head = Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None), prepack, md)
 
     @torch.no_grad()
-    def _shard(self, device: torch.device) -> None:
+    def _shard(self, device: torch.device, weights) -> None:
         """This rank's share of the model (`ShardLayout`); the HF modules keep only what is replicated."""
         tp = self.tp
         layout = ShardLayout.of(self.config, tp.world, tp.rank)
         self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads  # this rank's
-        w = shard_weights(self.layers, self.lm_head, layout, self.head_dim, self.vocab_size)
-        hf_embed, self.embed_tokens = self.embed_tokens, VocabParallelEmbedding(self.embed_tokens.weight,
-                                                                              self.vocab_size, tp)
-        release(self.lm_head, hf_embed)  # (one tensor when the embeddings are tied)
+        w = shard_weights(weights, self.config, layout, self.head_dim)
+        for layer in self.layers:  # the HF copies (or, read from safetensors, meta placeholders)
+            a, m = layer.self_attn, layer.mlp
+            release(a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        release(self.lm_head, self.embed_tokens)  # (one tensor when the embeddings are tied)
+        self.embed_tokens = VocabParallelEmbedding(w.embed, self.vocab_size, tp)
         self.fuse_silu = getattr(self.config, "hidden_act", None) == "silu"
         prepack, md = can_prepack(device, self.matmul_dtype or self.dtype), self.matmul_dtype
         self.lin_qkv = [Linear(wt, b, prepack, md) for wt, b in w.qkv]

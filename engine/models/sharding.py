@@ -9,8 +9,9 @@
                   a token outside the slice looks up zeros, one all-reduce sums the ranks' rows
     lm_head       vocab-parallel: the same rows; the logits' slices are gathered on rank 0 only
 
-Weights are sliced from the loaded HF modules (copies), and the HF modules' projection weights are then
-released: each rank holds its shard only (besides the small replicated norms and rotary tables).
+Slices are read by parameter name from a tensor source (engine/models/checkpoint.py): the checkpoint's
+safetensors files, memory-mapped, so a rank reads only its slices; or, where the checkpoint is not in
+that form, the HF modules loaded whole, whose projection weights are released once sliced.
 """
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def vocab_slice(vocab_size: int, world: int, rank: int) -> tuple[int, int]:
     return rank * per, per
 
 
-def padded_rows(weight: torch.Tensor, lo: int, n: int) -> torch.Tensor:
-    """Rows [lo, lo + n) of `weight` (a copy), zeros past its end (the vocab's padding)."""
-    out = torch.zeros(n, *weight.shape[1:], dtype=weight.dtype, device=weight.device)
-    hi = min(lo + n, weight.shape[0])
-    if hi > lo:
-        out[:hi - lo] = weight[lo:hi]
+def padded_rows(src, name: str, lo: int, n: int, vocab_size: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [lo, lo + n) of tensor `name` (its first dim is the vocab), zeros past the vocab (padding)."""
+    hi = min(lo + n, vocab_size)
+    part = src.get(name, rows=(lo, hi)) if hi > lo else None
+    ref = part if part is not None else like
+    out = torch.zeros(n, *ref.shape[1:], dtype=ref.dtype, device=ref.device)
+    if part is not None:
+        out[:hi - lo] = part
     return out
 
 
@@ -92,11 +95,12 @@ def release(*modules) -> None:
 
 
 class VocabParallelEmbedding:
-    """This rank's rows of the embedding; `__call__(ids)` -> [T, hidden], summed over the ranks."""
+    """This rank's rows of the embedding (`weight`: [Vp / W, hidden], zeros for the padding);
+    `__call__(ids)` -> [T, hidden], summed over the ranks."""
 
     def __init__(self, weight: torch.Tensor, vocab_size: int, tp):
-        self.lo, per = vocab_slice(vocab_size, tp.world, tp.rank)
-        self.weight = padded_rows(weight.detach(), self.lo, per)
+        self.lo, _ = vocab_slice(vocab_size, tp.world, tp.rank)
+        self.weight = weight
         self.tp = tp
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -107,17 +111,22 @@ class VocabParallelEmbedding:
         return self.tp.all_reduce(h)
 
 
-class ShardedWeights(NamedTuple):
-    """One rank's linear weights, per layer: (weight, bias) pairs."""
+Pair = tuple[torch.Tensor, torch.Tensor | None]
 
-    qkv: list[tuple[torch.Tensor, torch.Tensor | None]]
-    o: list[tuple[torch.Tensor, torch.Tensor | None]]
-    gate_up: list[tuple[torch.Tensor, torch.Tensor | None]]
-    down: list[tuple[torch.Tensor, torch.Tensor | None]]
-    head: tuple[torch.Tensor, torch.Tensor | None]
+
+class ShardedWeights(NamedTuple):
+    """One rank's weights: per layer (weight, bias) pairs, the embedding's and the lm_head's rows."""
+
+    qkv: list[Pair]
+    o: list[Pair]
+    gate_up: list[Pair]
+    down: list[Pair]
+    embed: torch.Tensor
+    head: Pair
 
 
 def _cat_bias(parts: list[torch.Tensor | None], sizes: list[int], like: torch.Tensor) -> torch.Tensor | None:
+    """The fused projection's bias (zeros for a part without one), or None when no part has one."""
     if all(p is None for p in parts):
         return None
     return torch.cat([p if p is not None else torch.zeros(n, dtype=like.dtype, device=like.device)
@@ -125,30 +134,33 @@ def _cat_bias(parts: list[torch.Tensor | None], sizes: list[int], like: torch.Te
 
 
 @torch.no_grad()
-def shard_weights(layers, lm_head, layout: ShardLayout, head_dim: int, vocab_size: int) -> ShardedWeights:
-    """Slice every layer's projections and the lm_head for `layout`'s rank, then release the HF copies."""
+def shard_weights(src, hf_cfg, layout: ShardLayout, head_dim: int) -> ShardedWeights:
+    """Rank `layout.rank`'s slices, read from `src` (engine/models/checkpoint.py: the loaded HF modules,
+    or the checkpoint's safetensors files, memory-mapped) by the checkpoint's parameter names."""
     r, W, D = layout.rank, layout.world, head_dim
-    q0, q1 = layout.head0 * D, (layout.head0 + layout.num_heads) * D
-    k0, k1 = layout.kv_head0 * D, (layout.kv_head0 + layout.num_kv_heads) * D
+    q = (layout.head0 * D, (layout.head0 + layout.num_heads) * D)
+    kv = (layout.kv_head0 * D, (layout.kv_head0 + layout.num_kv_heads) * D)
+    n = hf_cfg.intermediate_size // W
+    inter = (r * n, (r + 1) * n)
     qkv, o, gate_up, down = [], [], [], []
-    for layer in layers:
-        a, m = layer.self_attn, layer.mlp
-        w = torch.cat([a.q_proj.weight[q0:q1], a.k_proj.weight[k0:k1], a.v_proj.weight[k0:k1]]).contiguous()
-        b = _cat_bias([None if p.bias is None else p.bias[s0:s1] for p, (s0, s1) in
-                       ((a.q_proj, (q0, q1)), (a.k_proj, (k0, k1)), (a.v_proj, (k0, k1)))],
-                      [q1 - q0, k1 - k0, k1 - k0], w)
-        qkv.append((w, b))
-        o.append((a.o_proj.weight[:, q0:q1].contiguous(),
-                  None if a.o_proj.bias is None or r else a.o_proj.bias.clone()))
-        n = m.gate_proj.weight.shape[0] // W
-        i0, i1 = r * n, (r + 1) * n
-        gu = torch.cat([m.gate_proj.weight[i0:i1], m.up_proj.weight[i0:i1]]).contiguous()
-        gu_b = _cat_bias([None if p.bias is None else p.bias[i0:i1] for p in (m.gate_proj, m.up_proj)], [n, n], gu)
-        gate_up.append((gu, gu_b))
-        down.append((m.down_proj.weight[:, i0:i1].contiguous(),
-                     None if m.down_proj.bias is None or r else m.down_proj.bias.clone()))
-        release(a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-    lo, per = vocab_slice(vocab_size, W, r)
-    hb = getattr(lm_head, "bias", None)
-    head = (padded_rows(lm_head.weight, lo, per), None if hb is None else padded_rows(hb, lo, per))
-    return ShardedWeights(qkv, o, gate_up, down, head)
+    for i in range(hf_cfg.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        parts = [(a + "q_proj", q), (a + "k_proj", kv), (a + "v_proj", kv)]
+        w = torch.cat([src.get(p + ".weight", rows=rows) for p, rows in parts]).contiguous()
+        qkv.append((w, _cat_bias([src.get(p + ".bias", rows=rows) if src.has(p + ".bias") else None
+                                  for p, rows in parts], [q[1] - q[0], kv[1] - kv[0], kv[1] - kv[0]], w)))
+        o.append((src.get(a + "o_proj.weight", cols=q).contiguous(),
+                  src.get(a + "o_proj.bias") if src.has(a + "o_proj.bias") and r == 0 else None))
+        gu_parts = [m + "gate_proj", m + "up_proj"]
+        gu = torch.cat([src.get(p + ".weight", rows=inter) for p in gu_parts]).contiguous()
+        gate_up.append((gu, _cat_bias([src.get(p + ".bias", rows=inter) if src.has(p + ".bias") else None
+                                       for p in gu_parts], [n, n], gu)))
+        down.append((src.get(m + "down_proj.weight", cols=inter).contiguous(),
+                     src.get(m + "down_proj.bias") if src.has(m + "down_proj.bias") and r == 0 else None))
+    V = hf_cfg.vocab_size
+    lo, per = vocab_slice(V, W, r)
+    embed = padded_rows(src, "model.embed_tokens.weight", lo, per, V)
+    tied = getattr(hf_cfg, "tie_word_embeddings", False) or not src.has("lm_head.weight")
+    head = embed if tied else padded_rows(src, "lm_head.weight", lo, per, V, embed)
+    head_b = padded_rows(src, "lm_head.bias", lo, per, V, embed[:, 0]) if src.has("lm_head.bias") else None
+    return ShardedWeights(qkv, o, gate_up, down, embed, (head, head_b))

@@ -59,8 +59,8 @@ def run_follower(config: EngineConfig, rank: int, world: int, init_method: str,
         keep_freed_memory()
     tp = TPGroup.connect(rank, world, init_method, config.device, timeout_s)
     try:
-        hf_model, _, _, matmul_dtype = load_model(config)
-        runner = build_runner(config, hf_model, matmul_dtype, tp)
+        hf_model, _, _, matmul_dtype, weights = load_model(config, tp=tp)
+        runner = build_runner(config, hf_model, matmul_dtype, tp, weights)
         from engine.attention import attention_backends
 
         while True:

@@ -37,9 +37,10 @@ MAX_NEW = 12
 BASE = dict(dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=32)
 
 
-def make_model(base_dir: str, path: str, **overrides) -> str:
+def make_model(base_dir: str, path: str, safetensors: bool = True, **overrides) -> str:
     """A random-weight variant of the tiny model in `base_dir` (tests/conftest.py) with config overrides
-    (vocab size, KV heads, tied embeddings), saved to `path` with the same tokenizer."""
+    (vocab size, KV heads, tied embeddings), saved to `path` with the same tokenizer (`safetensors`
+    False: as a pytorch_model.bin, which a TP rank loads whole and then slices)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     cfg = AutoConfig.from_pretrained(base_dir)
@@ -51,6 +52,12 @@ def make_model(base_dir: str, path: str, **overrides) -> str:
         with torch.no_grad():  # as conftest's: a larger logit spread, fewer near-ties
             model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
+    if not safetensors:  # transformers 5 writes safetensors only; a pytorch_model.bin it still reads
+        from safetensors.torch import load_file
+
+        st = os.path.join(path, "model.safetensors")
+        torch.save(load_file(st), os.path.join(path, "pytorch_model.bin"))
+        os.remove(st)
     AutoTokenizer.from_pretrained(base_dir).save_pretrained(path)
     return path
 
@@ -66,8 +73,6 @@ class ThreadGroup:
     """Rank 0's engine in this thread, rank 1 a follower thread (`run_follower`)."""
 
     def __init__(self, path: str, **cfg):
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - imported before two threads race for it
-
         config = EngineConfig(model=path, tensor_parallel_size=2, **{**BASE, **cfg})
         store, init_method = leader_store(2)
         self.result: dict = {}
@@ -160,12 +165,18 @@ def llama_hf(tiny_model_dir):
     return hf_model(tiny_model_dir("llama"))
 
 
-def test_tp2_keeps_half_the_kv_heads_per_rank(llama_tp, llama_hf):
-    runner = llama_tp.engine.runner
+def test_tp2_keeps_half_the_kv_heads_and_reads_only_its_slices(llama_tp, llama_hf):
+    engine = llama_tp.engine
+    runner = engine.runner
     assert runner.kv_cache.shape[-2] == 1 and runner.num_heads == 2  # of 2 KV heads and 4 q heads
     cfg = llama_hf.config
     assert ModelRunner.kv_block_bytes(cfg, 4, torch.float32, 2) * 2 == ModelRunner.kv_block_bytes(cfg, 4, torch.float32)
     assert runner.model.lin_qkv[0].weight.shape[0] == (2 + 1 + 1) * 16  # 2 q heads, its K and V head
+    assert runner.model.embed_tokens.weight.shape[0] == engine.vocab_size // 2
+    # Read from safetensors: the HF model's projections never held the whole weights (meta placeholders).
+    attn = engine.hf_model.model.layers[0].self_attn
+    assert attn.q_proj.weight.device.type == "meta" and engine.hf_model.lm_head.weight.device.type == "meta"
+    assert engine.hf_model.model.norm.weight.device.type == "cpu"  # replicated ones are real
 
 
 def test_tp2_greedy_matches_hf_with_staggered_arrivals_and_chunked_prefill(llama_tp, llama_hf):
@@ -229,8 +240,10 @@ def test_qwen3_tp2_with_a_padded_vocab_matches_hf(tiny_model_dir, tmp_path):
 
 
 def test_qwen2_bias_tied_embeddings_and_one_kv_head_replicated_match_hf(tiny_model_dir, tmp_path):
-    path = make_model(tiny_model_dir("qwen2"), str(tmp_path / "qwen2"), num_key_value_heads=1,
+    # Not in safetensors form: each rank loads the HF model whole and slices its modules.
+    path = make_model(tiny_model_dir("qwen2"), str(tmp_path / "qwen2"), safetensors=False, num_key_value_heads=1,
                       tie_word_embeddings=True)
+    assert not any(f.endswith(".safetensors") for f in os.listdir(path))
     group = ThreadGroup(path)
     try:
         engine = group.engine
@@ -278,7 +291,7 @@ import sys, time
 from engine import EngineConfig, SamplingParams
 from engine.parallel import launch_local
 engine = launch_local(EngineConfig(model=sys.argv[1], tensor_parallel_size=2, dtype="float32", num_kv_blocks=32,
-                                   block_size=4), timeout_s=30)
+                                   block_size=4), timeout_s=120)
 engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
 while engine.has_unfinished_requests():
     engine.step()
@@ -288,20 +301,21 @@ time.sleep(600)  # killed by the test
 
 
 @pytest.mark.slow
-def test_a_follower_stops_when_rank0_is_killed(tiny_model_dir):
+def test_a_follower_stops_when_rank0_is_killed(tiny_model_dir, tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = tmp_path / "rank0.log"
     rank0 = subprocess.Popen([sys.executable, "-c", RANK0_SCRIPT, tiny_model_dir("llama")], env=env,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     try:
         line = ""
         deadline = time.monotonic() + 240
         while not line.startswith("followers") and time.monotonic() < deadline and rank0.poll() is None:
             line = rank0.stdout.readline()
-        assert line.startswith("followers"), "rank 0 did not come up"
+        assert line.startswith("followers"), f"rank 0 did not come up: {log.read_text()[-3000:]}"
         pids = [int(p) for p in line.split()[1:]]
     finally:
         os.kill(rank0.pid, signal.SIGKILL)
         rank0.wait(10)
-    # Its store's connection breaks: the follower's pending wait (30 s long) fails at once.
-    assert _wait_gone(pids, 30)
+    # Its store's connection breaks: the follower's pending wait (30 s long) fails at once (~3 s to exit here).
+    assert _wait_gone(pids, 30), f"the follower outlived rank 0: {log.read_text()[-3000:]}"
