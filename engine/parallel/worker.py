@@ -89,7 +89,8 @@ def launch_local(config: EngineConfig, world: int | None = None, timeout_s: floa
                  idle_timeout_s: float | None = None, host: str = "127.0.0.1"):
     """Rank 0's `LLMEngine` of a `world`-rank group (default `config.tensor_parallel_size`) whose
     followers are processes spawned here (torch.multiprocessing, rendezvous over localhost TCP).
-    `engine.close()` stops them; so does this process ending."""
+    `engine.close()` stops them; so does this process ending. On a CPU, `num_threads` unset gives
+    each rank an equal share of the host's cores."""
     import torch.multiprocessing as mp
     from transformers import AutoConfig
 
@@ -99,6 +100,9 @@ def launch_local(config: EngineConfig, world: int | None = None, timeout_s: floa
 
     world = config.tensor_parallel_size if world is None else world
     config = replace(config, tensor_parallel_size=world)  # validated here
+    if config.num_threads is None and torch.device(config.device).type == "cpu":
+        # N processes with torch's default (every core each) would oversubscribe the host's cores.
+        config = replace(config, num_threads=max(1, (os.cpu_count() or 1) // world))
     # The shapes first, before any process starts (a GGUF model is converted once here, and the
     # followers find it converted).
     load_dtype = "float32" if config.dtype == "bfloat16" and config.device == "cpu" else config.dtype
