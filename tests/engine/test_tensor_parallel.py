@@ -37,7 +37,8 @@ MAX_NEW = 12
 BASE = dict(dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=32)
 
 
-def make_model(base_dir: str, path: str, safetensors: bool = True, **overrides) -> str:
+def make_model(base_dir: str, path: str, safetensors: bool = True, max_shard_size: str | None = None,
+               **overrides) -> str:
     """A random-weight variant of the tiny model in `base_dir` (tests/conftest.py) with config overrides
     (vocab size, KV heads, tied embeddings), saved to `path` with the same tokenizer (`safetensors`
     False: as a pytorch_model.bin, which a TP rank loads whole and then slices)."""
@@ -51,7 +52,7 @@ def make_model(base_dir: str, path: str, safetensors: bool = True, **overrides) 
     if not cfg.tie_word_embeddings:
         with torch.no_grad():  # as conftest's: a larger logit spread, fewer near-ties
             model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(path)
+    model.save_pretrained(path, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     if not safetensors:  # transformers 5 writes safetensors only; a pytorch_model.bin it still reads
         from safetensors.torch import load_file
 
@@ -227,7 +228,10 @@ def test_tp2_prompt_logprobs_and_structured_outputs_equal_one_device(llama_tp, t
 def test_qwen3_tp2_with_a_padded_vocab_matches_hf(tiny_model_dir, tmp_path):
     # An odd vocab (one less than the tokenizer's): each rank holds 24576 rows, rank 1's last one padding.
     base = tiny_model_dir("qwen3")
-    path = make_model(base, str(tmp_path / "qwen3"), vocab_size=len(AutoTokenizer.from_pretrained(base)) - 1)
+    # Saved in several safetensors files with an index, as large checkpoints are.
+    path = make_model(base, str(tmp_path / "qwen3"), max_shard_size="2MB",
+                      vocab_size=len(AutoTokenizer.from_pretrained(base)) - 1)
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     group = ThreadGroup(path)
     try:
         engine = group.engine
