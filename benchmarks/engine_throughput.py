@@ -15,6 +15,9 @@ lengths, greedy, ignore_eos), SmolLM2-135M fp32. Rows:
     manager through `continuous_batching_context_manager` + `add_request(..., max_new_tokens=n)`,
     which gives every request its own length: the same work as our rows. Its start-up (cache
     allocation, warmup) is timed separately and not counted.
+  * pdserve continuous, TP N (`--tensor-parallel-size N`, N > 1): the continuous policy with the model
+    split over N processes on this host (gloo; `engine.parallel.launch_local`), `--threads` shared
+    out among the ranks (at least one each); the followers' KV pools are not pre-touched.
   * pdserve continuous, KV bfloat16 / fp8_e5m2 (`--kv-cache-dtypes`): the same engine with its KV
     cache in a narrower element type (K and V rounded when stored; the math stays fp32), and how far
     its greedy text stays with transformers'.
@@ -136,6 +139,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-dtypes", default="auto,bfloat16,fp8_e5m2",
                    help="KV cache element types to run the continuous policy and the decode sweep with "
                         "(auto = fp32, the model's; each extra one adds a continuous row and a sweep)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N > 1: add a continuous row with the model split over N local processes (gloo)")
     p.add_argument("--quick", action="store_true",
                    help="16 requests, prompts 32-128, outputs 8-32, sweep of 6 steps (a smoke test)")
     p.add_argument("--json", default=None, help="write all results here")
@@ -223,6 +228,27 @@ def run_our_rows(args, engine: LLMEngine, policies: list[str], kv_dtypes: list[s
     return engine, outputs
 
 
+def run_tp_row(args, workload: list[BenchRequest], results: list[RunResult], outputs: dict[str, dict]) -> None:
+    """The continuous policy with the model split over `--tensor-parallel-size` local processes."""
+    n = args.tensor_parallel_size
+    if n <= 1:
+        return
+    from engine.parallel import launch_local
+
+    threads = max(1, args.threads // n)
+    engine = launch_local(EngineConfig(
+        model=args.model, num_threads=threads, batching="continuous", max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_mb=args.kv_cache_mb,
+        tensor_parallel_size=n))
+    try:
+        warm_up(engine)
+        res, outputs[f"continuous, TP {n}"] = run_pdserve(engine, workload, "continuous")
+        res.name = f"pdserve continuous, TP {n} ({threads} thread{'s' if threads > 1 else ''} a rank)"
+        _timed_row(results, res)
+    finally:
+        engine.close()
+
+
 def run_hf_rows(args, model, workload: list[BenchRequest], pad_id: int, results: list[RunResult]) -> dict | None:
     """transformers' static and continuous batching; returns the latter's tokens (the reference)."""
     if not args.skip_hf_static:
@@ -282,6 +308,7 @@ def main(argv=None) -> dict:
                              (args.min_output, args.max_output), model.config.vocab_size, seed=args.seed)
     results: list[RunResult] = []
     engine, outputs = run_our_rows(args, engine, policies, kv_dtypes, workload, results)
+    run_tp_row(args, workload, results, outputs)
     agreements = greedy_agreement(outputs, run_hf_rows(args, engine.hf_model, workload, pad_id, results), len(workload))
     sweep_rows: list[dict] = []
     if not args.skip_sweep:

@@ -125,6 +125,18 @@ class EngineConfig:
             "`priority`; `InvalidRequestError` in the engine) rather than accepted and ignored. Under `priority` "
             "the engines' queues, the router's decode admission and a dead worker's moved sequences all go by "
             "priority first; clients can then jump the queue, so choose it only where they are trusted to")
+    tensor_parallel_size: int = setting(
+        1, "ranks one engine's model is split over (tensor parallelism): each holds its share of the heads, "
+           "the MLP and the vocab, and the KV heads it attends with",
+        doc="Rank 0 runs the scheduler and sampler and hands each step's inputs to the other ranks; every rank "
+            "runs the forward pass on its shard (one all-reduce after the attention output and one after the "
+            "MLP; the logits gathered on rank 0). gloo on a CPU, NCCL on CUDA (one GPU per rank). Must divide "
+            "the model's attention heads, intermediate size and KV heads (or be a multiple of the KV heads: "
+            "they are then replicated). `kv_cache_memory_mb` is per rank, and a rank's KV block holds only its "
+            "KV heads. Offline: `LLM(..., tensor_parallel_size=2)` or `engine.parallel.launch_local` start "
+            "the follower processes on this host (on a CPU, `num_threads` unset gives each rank an equal "
+            "share of the cores); the serving layouts do not start them yet. CUDA graphs are "
+            "off under it (every step eager)", cli=False)
     num_threads: int | None = setting(None, "torch intra-op threads of this engine", default_doc="torch's")
     seed: int = setting(0, "seeds the requests that ask for sampling without a seed", cli=False)
     speculative_method: SpeculativeMethod = setting(
@@ -171,6 +183,9 @@ class EngineConfig:
             raise EngineConfigError(
                 f"batching={self.batching!r} is not a policy; choose one of {', '.join(BATCHING_POLICIES)}"
             )
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise EngineConfigError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise EngineConfigError(f"{name} must be > 0, got {getattr(self, name)}")

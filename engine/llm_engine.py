@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from concurrent import futures
 import itertools
 import logging
 import time
@@ -10,13 +11,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, kv_cache_torch_dtype, schema_limits
-from engine.errors import InvalidRequestError, PromptTooLongError, invalid_request_text
+from engine.config import EngineConfig, schema_limits
+from engine.errors import EngineConfigError, InvalidRequestError, PromptTooLongError, invalid_request_text
 from engine.host_memory import keep_freed_memory
 from engine.logprobs import attach_logprobs, record_prompt_logprobs
 from engine.model_loader import load_model_and_tokenizer
-from engine.kv_pool import kv_pool_blocks
-from engine.model_runner import ModelRunner
+from engine.model_setup import build_runner, load_model
+from engine.parallel.group import TPGroup
 from engine.request import Request, RequestOutput, RequestStatus
 from engine.device_sampler import sample_on_device
 from engine.sampler import SampleResult
@@ -28,6 +29,7 @@ from engine.structured import GrammarCache, GrammarJob
 
 logger = logging.getLogger(__name__)
 MAX_CACHE_SALT_CHARS = 1024
+GRAMMAR_IDLE_WAIT_S = 0.02  # a step with nothing but pending grammars waits this long for one
 
 
 def check_cache_salt(cache_salt: str | None) -> None:
@@ -74,39 +76,32 @@ class LLMEngine:
     `step()` is `schedule -> run -> postprocess`; everything else manages requests.
     """
 
-    def __init__(self, config: EngineConfig | None = None, **overrides):
+    def __init__(self, config: EngineConfig | None = None, tp_group: TPGroup | None = None, **overrides):
+        """`tp_group`: rank 0 of a tensor-parallel group whose followers run `engine.parallel.run_follower`
+        (`engine.parallel.launch_local` builds both); None: one device."""
         config = replace(config or EngineConfig(), **overrides) if overrides else (config or EngineConfig())
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if torch.device(config.device).type == "cpu":
             keep_freed_memory()  # activations stay in the heap between steps (engine/host_memory.py)
-        # NOTE: bf16 on a CPU: the linear layers multiply in bf16 (AMX / AVX512-BF16 hardware, several
-        # times fp32's rate), everything else (norms, rotary, decode attention, the residual stream)
-        # computes in fp32 over a bf16 KV cache, where the compiled kernels run (prefill attention and
-        # the products' inputs are bf16); all-bf16 activations fell back to gather + SDPA and
-        # elementwise bf16 ops, 1.4x slower per decode step (README "dtype on CPU").
-        matmul_dtype = torch.bfloat16 if config.dtype == "bfloat16" and torch.device(config.device).type == "cpu" else None
-        self.hf_model, self.tokenizer, self.model_dir = load_model_and_tokenizer(
-            config.model, "float32" if matmul_dtype else config.dtype, config.device, config.cache_dir)
+        tp = tp_group or TPGroup.single()
+        if config.tensor_parallel_size != tp.world or tp.rank != 0:
+            raise EngineConfigError(
+                f"tensor_parallel_size={config.tensor_parallel_size} needs its follower ranks: build the engine with "
+                "engine.parallel.launch_local(config) (or LLM(..., tensor_parallel_size=N)), which starts them"
+                if tp_group is None else
+                f"tensor_parallel_size={config.tensor_parallel_size}, but tp_group is rank {tp.rank} of {tp.world} "
+                "(LLMEngine runs on rank 0 of a group of that size)")
+        # NOTE: the loader by this module's name: benchmarks/gpu_shapes.py swaps in a prebuilt model there.
+        self.hf_model, self.tokenizer, self.model_dir, matmul_dtype, weights = load_model(
+            config, load_model_and_tokenizer, tp)
         hf_cfg = self.hf_model.config
-        kv_dtype = getattr(torch, kv_cache_torch_dtype(config.kv_cache_dtype, config.dtype))
-        block_bytes = ModelRunner.kv_block_bytes(hf_cfg, config.block_size, kv_dtype)
-        num_blocks = kv_pool_blocks(config, hf_cfg, block_bytes, next(self.hf_model.parameters()).dtype)
+        self.runner = build_runner(config, self.hf_model, matmul_dtype, tp, weights)
+        num_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
-        limits = [hf_cfg.max_position_embeddings, num_blocks * config.block_size]
-        if config.max_model_len:
-            limits.append(config.max_model_len)
-        window = getattr(hf_cfg, "sliding_window", None)
-        if window and getattr(hf_cfg, "use_sliding_window", True):
-            limits.append(window)  # no sliding-window attention yet: stay inside the window
-        num_spec = config.num_speculative_tokens if config.speculative_method != "off" else 0
-        self.runner = ModelRunner(self.hf_model, num_blocks, config.block_size, config.device, kv_dtype,
-                                  matmul_dtype, ops_backend=config.ops_backend, cuda_graphs=config.cuda_graphs,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=min(limits),
-                                  num_speculative_tokens=num_spec)
-        self.max_model_len = min(limits)
+        self.max_model_len = self.runner.max_model_len
         eos = set()
         for src in (self.hf_model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
             if isinstance(src, int):
@@ -116,6 +111,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         self.vocab_size = hf_cfg.vocab_size
         self._requests: dict[str, Request] = {}
+        self._on_close: list = []  # called by close() (engine.parallel.launch_local: join the followers)
+        self.follower_pids: list[int] = []  # tensor parallelism: the follower processes launch_local started
         self._seed_counter = itertools.count(config.seed * 1_000_003)
         self.last_step = StepStats()
         self._step_accepted = 0  # drafts accepted in the step being postprocessed
@@ -322,6 +319,10 @@ class LLMEngine:
         self.step_request_ids = [c.request.request_id for c in sched.chunks]
         if sched.empty:
             self.last_step = StepStats()
+            if self._awaiting_grammar and not grammar_failures and not self.scheduler.has_unfinished():
+                # Only grammars are pending: wait a little for one, so a caller's step loop does not spin.
+                futures.wait([w.job.future for w in self._awaiting_grammar.values()], timeout=GRAMMAR_IDLE_WAIT_S,
+                             return_when=futures.FIRST_COMPLETED)
             return grammar_failures
         with forward or contextlib.nullcontext():
             logits = self.runner.run(sched)
@@ -429,6 +430,14 @@ class LLMEngine:
             finished=status is not None, finish_reason=None if status is None else status.value,
             text=req.output_text if status is not None else "", num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens, block_ids=block_ids)
+
+    def close(self) -> None:
+        """Stop this engine's tensor-parallel followers, if any (idempotent). A one-device engine needs
+        no closing; its memory goes when it is dropped."""
+        self.runner.close()
+        for stop in self._on_close:
+            stop()
+        self._on_close.clear()
 
     def check_integrity(self) -> None:
         """Raise AssertionError on a leaked or half-owned KV block (`Scheduler.check_integrity`)."""

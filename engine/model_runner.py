@@ -22,6 +22,9 @@ from engine.models import LlamaModel
 from engine.ops import make_ops
 from engine.ops.base import HostStep, PromptSpan
 from engine.ops.cpu_ops import CpuOps
+from engine.models.sharding import local_kv_heads
+from engine.parallel.group import TPGroup
+from engine.parallel.messages import ShutdownMessage, StepMessage
 from engine.request import TokenLogprob
 from engine.scheduler import SchedulerOutput
 from engine.step_inputs import StepInputs
@@ -61,14 +64,19 @@ PROMPT_LOGITS_ROWS = 256  # prompt positions scored per lm_head call: bounds the
 class ModelRunner:
     def __init__(self, hf_model, num_blocks: int, block_size: int, device: str, kv_dtype: torch.dtype | None = None,
                  matmul_dtype: torch.dtype | None = None, ops_backend: str = "auto", cuda_graphs: bool = True,
-                 max_num_seqs: int = 64, max_model_len: int | None = None, num_speculative_tokens: int = 0):
+                 max_num_seqs: int = 64, max_model_len: int | None = None, num_speculative_tokens: int = 0,
+                 tp: TPGroup | None = None, weights=None):
         """`matmul_dtype`: the dtype of the linear layers' products when it is not the model's (bf16 over
         an fp32 model on CPU: `LLMEngine`). `cuda_graphs`: replay decode and verify steps from CUDA
-        graphs (CUDA with the Triton backend only; mixed steps always run eagerly)."""
+        graphs (CUDA with the Triton backend only; mixed steps always run eagerly; not under tensor
+        parallelism). `tp`: this rank's group (engine.parallel); rank 0's runner hands every step's
+        host inputs to the other ranks, which run `run_eager` on them (`engine.parallel.worker`);
+        `weights`: where its slices come from (`LlamaModel`)."""
         self.hf_model = hf_model
         self.config = hf_model.config
         self.device = torch.device(device)
-        self.model = LlamaModel(hf_model, self.device, matmul_dtype)
+        self.tp = tp or TPGroup.single()
+        self.model = LlamaModel(hf_model, self.device, matmul_dtype, self.tp, weights)
         m = self.model
         self.dtype, self.matmul_dtype = m.dtype, m.matmul_dtype
         self.kv_dtype = kv_dtype or self.dtype  # the cache's elements; the other math stays in self.dtype
@@ -95,7 +103,7 @@ class ModelRunner:
         if self.ops.name == "triton":
             self.cos_sin = m.cos_sin_cache(self.max_model_len, self.device)
         self.graphs = None
-        if cuda_graphs and self.ops.name == "triton":  # off CUDA (interpreter, tests): the padded path, eager
+        if cuda_graphs and self.ops.name == "triton" and self.tp.world == 1:  # off CUDA (interpreter, tests): the padded path, eager
             from engine.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self, max_num_seqs, 1 + num_speculative_tokens)
 
@@ -125,9 +133,10 @@ class ModelRunner:
             raise ValueError(f"{attr} is a switch of the cpu ops backend; this runner has {self.ops.name!r}")
 
     @staticmethod
-    def kv_block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
+    def kv_block_bytes(config, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+        """Bytes of one KV block on one rank (of `tp_size`: its KV heads only)."""
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = local_kv_heads(config, tp_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         elem = torch.empty((), dtype=dtype).element_size()
         return config.num_hidden_layers * 2 * block_size * kv_heads * head_dim * elem
@@ -196,12 +205,16 @@ class ModelRunner:
             logits = self.graphs.try_run(hs)
             if logits is not None:
                 return StepLogits(logits, {})
+        if self.tp.world > 1:
+            self.tp.send(StepMessage(hs))
         with attention_backends(self.device):
             return self.run_eager(hs)
 
     def run_eager(self, hs: HostStep) -> StepLogits:
         """The step without CUDA graphs. NOTE: every integer array goes to the device in one
-        non-blocking copy (`StepInputs`): no host-device synchronization before the forward pass."""
+        non-blocking copy (`StepInputs`): no host-device synchronization before the forward pass.
+        Every rank of a TP group runs it on the same `hs` (same collectives, same order); the logits
+        land on rank 0 (a follower's StepLogits holds None and no prompt logprobs)."""
         inputs = StepInputs()
         k_ids, k_pos, k_sample = inputs.add(hs.input_ids), inputs.add(hs.positions), inputs.add(hs.sample_rows)
         build = self.ops.plan(hs, inputs, self.block_size)
@@ -213,6 +226,14 @@ class ModelRunner:
             return StepLogits(torch.empty(0, self.config.vocab_size, device=self.device), prompt)
         return StepLogits(m.logits(self.ops, h, delta, t[k_sample]), prompt)
 
+    def close(self) -> None:
+        """Rank 0 of a TP group: tell the followers to stop, and leave the group (idempotent)."""
+        if self.tp.world > 1 and self.tp.rank == 0 and not self.tp.closed:
+            try:
+                self.tp.send(ShutdownMessage(), is_step=False)
+            finally:
+                self.tp.close()
+
     def _prompt_logprobs(self, h: torch.Tensor, delta: torch.Tensor, span: PromptSpan) -> list[TokenLogprob]:
         """The logprobs of `span`'s target tokens from the final hidden states at its rows, a slice of rows
         at a time (the norm works on a copy of the rows: `h` stays as it is for the sampled rows)."""
@@ -220,5 +241,7 @@ class ModelRunner:
         for a in range(0, len(span.target_ids), PROMPT_LOGITS_ROWS):
             b = min(a + PROMPT_LOGITS_ROWS, len(span.target_ids))
             rows = torch.arange(span.row0 + a, span.row0 + b, device=h.device)
-            out.extend(token_logprobs(self.model.logits(self.ops, h, delta, rows), span.target_ids[a:b], span.k))
+            logits = self.model.logits(self.ops, h, delta, rows)
+            if logits is not None:  # None: a TP follower, which only lends its vocab slice
+                out.extend(token_logprobs(logits, span.target_ids[a:b], span.k))
         return out

@@ -13,12 +13,29 @@ from engine.sampling_params import SamplingParams
 
 
 class LLM:
-    """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+    """Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`. With
+    `tensor_parallel_size=N` > 1 the model is split over N processes on this host
+    (`engine.parallel.launch_local`); `close()` (or leaving a `with LLM(...) as llm:` block) stops them."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        if config.tensor_parallel_size > 1:
+            from engine.parallel import launch_local
+
+            self.engine = launch_local(config)
+        else:
+            self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -7,6 +7,11 @@ padding, the per-token ops from an ops backend (engine/ops), the matmuls through
 
 Per layer: add+RMSNorm -> qkv -> rotary + KV store -> paged attention -> o -> add+RMSNorm -> gate|up
 -> SiLU x mul -> down. With the Triton backend that is 9 launches a layer.
+
+Under tensor parallelism (`tp`, a world > 1 `engine.parallel.TPGroup`) each rank holds its shard
+(engine/models/sharding.py): its q and KV heads, one all-reduce after o and one after down, a slice of
+the vocab for the embedding and the lm_head (logits gathered on rank 0). World 1 is the code path
+without any of it.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import torch
 
 from engine.models.linear import Linear, can_prepack
+from engine.models.checkpoint import ModuleTensors
+from engine.models.sharding import ShardLayout, VocabParallelEmbedding, release, shard_weights
 from engine.ops.base import Ops
 from engine.ops.torch_ops import TorchOps
 
@@ -26,9 +33,12 @@ _REFERENCE = TorchOps()
 class LlamaModel:
     """`forward(ids, positions, meta, kv_cache, ops) -> (h, delta)`, then `logits(ops, h, delta, rows)`."""
 
-    def __init__(self, hf_model, device: torch.device, matmul_dtype: torch.dtype | None = None):
+    def __init__(self, hf_model, device: torch.device, matmul_dtype: torch.dtype | None = None, tp=None,
+                 weights=None):
         """`matmul_dtype`: the dtype of the linear layers' products when it is not the model's (bf16 over
-        an fp32 model on CPU: `LLMEngine`); everything else computes in the model's dtype."""
+        an fp32 model on CPU: `LLMEngine`); everything else computes in the model's dtype. `tp`: this
+        rank's `TPGroup` (None: one device, the whole model). `weights`: where a TP rank reads its
+        slices (engine/models/checkpoint.py; None: from `hf_model`'s own modules, released after)."""
         cfg = hf_model.config
         self.config = cfg
         self.dtype = next(hf_model.parameters()).dtype
@@ -46,6 +56,11 @@ class LlamaModel:
         self.scale = self.layers[0].self_attn.scaling
         norms = [n for l in self.layers for n in (l.input_layernorm, l.post_attention_layernorm)] + [self.norm]
         self.plain_norms = all(type(n).__name__ in PLAIN_RMSNORMS and hasattr(n, "variance_epsilon") for n in norms)
+        self.vocab_size = cfg.vocab_size
+        self.tp = tp if tp is not None and tp.world > 1 else None
+        if self.tp is not None:
+            self._shard(device, weights or ModuleTensors(hf_model))
+            return
         qkv, gate_up = self._fuse_projections()
         self.fuse_silu = getattr(cfg, "hidden_act", None) == "silu" and all(gu is not None for gu in gate_up)
         self._build_linears(qkv, gate_up, can_prepack(device, self.matmul_dtype or self.dtype))
@@ -87,6 +102,26 @@ class LlamaModel:
                          for gu, l in zip(gate_up, self.layers)]
         self.lin_head = Linear(self.lm_head.weight, getattr(self.lm_head, "bias", None), prepack, md)
 
+    @torch.no_grad()
+    def _shard(self, device: torch.device, weights) -> None:
+        """This rank's share of the model (`ShardLayout`); the HF modules keep only what is replicated."""
+        tp = self.tp
+        layout = ShardLayout.of(self.config, tp.world, tp.rank)
+        self.num_heads, self.num_kv_heads = layout.num_heads, layout.num_kv_heads  # this rank's
+        w = shard_weights(weights, self.config, layout, self.head_dim)
+        for layer in self.layers:  # the HF copies (or, read from safetensors, meta placeholders)
+            a, m = layer.self_attn, layer.mlp
+            release(a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        release(self.lm_head, self.embed_tokens)  # (one tensor when the embeddings are tied)
+        self.embed_tokens = VocabParallelEmbedding(w.embed, self.vocab_size, tp)
+        self.fuse_silu = getattr(self.config, "hidden_act", None) == "silu"
+        prepack, md = can_prepack(device, self.matmul_dtype or self.dtype), self.matmul_dtype
+        self.lin_qkv = [Linear(wt, b, prepack, md) for wt, b in w.qkv]
+        self.lin_o = [Linear(wt, b, prepack, md) for wt, b in w.o]
+        self.lin_gate_up = [Linear(wt, b, prepack, md) for wt, b in w.gate_up]
+        self.lin_down = [Linear(wt, b, prepack, md) for wt, b in w.down]
+        self.lin_head = Linear(*w.head, prepack, md)
+
     def cos_sin_cache(self, max_positions: int, device: torch.device) -> torch.Tensor:
         """[max_positions, head_dim] fp32: the cos of the head_dim / 2 rotary frequencies, then their sin,
         from the model's own rotary module (its scaling included), for the fused rotary kernels."""
@@ -127,15 +162,23 @@ class LlamaModel:
             q, k, v = ops.qkv_store(qkv, layer.self_attn, rope, k_cache, v_cache, meta, self.num_heads,
                                     self.num_kv_heads, self.head_dim)
             o = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale, workspace, self.matmul_dtype)
-            h, x = self._add_norm(ops, layer.post_attention_layernorm, h, self.lin_o[li](o.reshape(T, -1)),
-                                  self.matmul_dtype)
+            o = self.lin_o[li](o.reshape(T, -1))
+            if self.tp is not None:  # row-parallel: each rank's heads' share of the projection
+                self.tp.all_reduce(o)
+            h, x = self._add_norm(ops, layer.post_attention_layernorm, h, o, self.matmul_dtype)
             delta = self._mlp(ops, li, layer, x)
+            if self.tp is not None:
+                self.tp.all_reduce(delta)
         return h, delta
 
-    def logits(self, ops: Ops, h: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    def logits(self, ops: Ops, h: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor | None:
         """fp32 logits of `rows`, on copies of them (`h` stays as it is); `rows` None: every row, and
-        the residual stream `h` may be consumed (a fused norm adds into it in place)."""
+        the residual stream `h` may be consumed (a fused norm adds into it in place). Under tensor
+        parallelism every rank computes its vocab slice and rank 0 alone gets the logits (others: None)."""
         if rows is not None:
             h, delta = h[rows], delta[rows]
         _, x = self._add_norm(ops, self.norm, h, delta)
-        return self.lin_head(x).float()
+        if self.tp is None:
+            return self.lin_head(x).float()
+        full = self.tp.gather_last_dim(self.lin_head(x).float())
+        return None if full is None else full[:, :self.vocab_size]
