@@ -67,7 +67,9 @@ def test_unknown_ops_backend_is_refused_naming_the_field():
         EngineConfig(gpu_memory_utilization=1.5)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+# NOTE: qwen3 (q/k norms) and the verify steps take ~45 and ~85 s in the CPU interpreter: `slow`; the llama
+# case keeps the padded graph path in the default suite, and test_triton_kernels covers verify rows.
+@pytest.mark.parametrize("model_type", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_triton_backend_matches_hf_through_padded_graph_steps(tiny_model_dir, model_type):
     """Prefill chunks (eager, mixed with decodes) and decode steps (the padded graph path) in Triton's
     interpreter: greedy tokens equal transformers' token for token."""
@@ -84,6 +86,7 @@ def test_triton_backend_matches_hf_through_padded_graph_steps(tiny_model_dir, mo
     assert used and max(used) < 64 and len(used) <= 3 * -(-(30 + 8) // 16) + 3
 
 
+@pytest.mark.slow
 def test_triton_backend_speculative_verify_steps_match_hf(tiny_model_dir):
     """Steps that verify drafts replay the (B, 1 + k) graphs: greedy output is unchanged."""
     device = "cuda" if _CUDA else "cpu"
