@@ -241,7 +241,8 @@ def check_checkpoint(model_dir: str) -> CheckpointInfo:
     return CheckpointInfo(model_type, rope_type, weight_files, _sliding_window(hf_config))
 
 
-def _load_tokenizer_dir(model_dir: str):
+def load_tokenizer_dir(model_dir: str):
+    """The tokenizer saved in a checked model directory; a broken one is an EngineConfigError."""
     from transformers import AutoTokenizer
 
     try:
@@ -266,7 +267,7 @@ def load_tokenizer(model: str | None, dtype: str = "float32", cache_dir: str | N
         return AutoTokenizer.from_pretrained(directory, gguf_file=filename)
     model_dir = resolve_model_dir(model, getattr(torch, dtype), cache_dir)
     check_checkpoint(model_dir)
-    return _load_tokenizer_dir(model_dir)
+    return load_tokenizer_dir(model_dir)
 
 
 def load_model_and_tokenizer(model: str | None, dtype: str = "float32", device: str = "cpu",
@@ -280,7 +281,7 @@ def load_model_and_tokenizer(model: str | None, dtype: str = "float32", device: 
     torch_dtype = getattr(torch, dtype)
     model_dir = resolve_model_dir(model, torch_dtype, cache_dir)
     info = check_checkpoint(model_dir)
-    tokenizer = _load_tokenizer_dir(model_dir)
+    tokenizer = load_tokenizer_dir(model_dir)
     hf_model, loading = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype, output_loading_info=True)
     missing = sorted(loading.get("missing_keys") or ())
     if missing:

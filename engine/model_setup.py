@@ -9,7 +9,7 @@ import torch
 
 from engine.config import EngineConfig, kv_cache_torch_dtype
 from engine.kv_pool import kv_pool_blocks
-from engine.model_loader import check_checkpoint, load_model_and_tokenizer, resolve_model_dir
+from engine.model_loader import check_checkpoint, load_model_and_tokenizer, load_tokenizer_dir, resolve_model_dir
 from engine.models.checkpoint import SafetensorsTensors
 from engine.model_runner import ModelRunner
 from engine.parallel.group import TPGroup
@@ -59,7 +59,7 @@ def load_shard_skeleton(model_dir: str, dtype: torch.dtype, device: str):
     the HF model is built on the meta device, its replicated parameters (norms, Qwen3's q/k norms) are
     read from the safetensors files onto `device`, its rotary tables are computed there, and the
     sharded projections stay meta placeholders: `weights` (memory-mapped) gives the rank its slices."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     check_checkpoint(model_dir)
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -77,7 +77,7 @@ def load_shard_skeleton(model_dir: str, dtype: torch.dtype, device: str):
         hf_model.generation_config = GenerationConfig.from_pretrained(model_dir)
     except OSError:  # no generation_config.json: the one from_config derived from the config
         pass
-    return hf_model.eval(), AutoTokenizer.from_pretrained(model_dir), weights
+    return hf_model.eval(), load_tokenizer_dir(model_dir), weights
 
 
 def build_runner(config: EngineConfig, hf_model, matmul_dtype: torch.dtype | None, tp: TPGroup,
