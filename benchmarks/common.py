@@ -242,14 +242,14 @@ def serve_app(app_args: dict, num_cpus: int, direct: bool = False) -> Iterator[s
     from ray import serve
 
     from deployments.app import build_app, shutdown_router
-    from deployments.config import apply_ray_env_defaults, direct_ingress_env
+    from deployments.config import ServeConfig, apply_ray_env_defaults, direct_ingress_env
 
     port = free_port()
     saved_env = dict(os.environ)
     apply_ray_env_defaults()
     proxy_port = port
     if direct:  # the ingress replica serves `port`, the proxy moves
-        os.environ.update(direct_ingress_env(port, 2))
+        os.environ.update(direct_ingress_env(port, 2, ServeConfig().ingress_drain_s))
         proxy_port = free_port()
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:

@@ -51,10 +51,11 @@ def apply_ray_env_defaults() -> None:
         os.environ.setdefault(k, v)
 
 
-def direct_ingress_env(http_port: int, num_ports: int) -> dict[str, str]:
+def direct_ingress_env(http_port: int, num_ports: int, drain_s: float) -> dict[str, str]:
     """Environment for Ray Serve's direct ingress: every HTTP ingress replica serves HTTP itself, on
     a port of [http_port, http_port + num_ports) (the first replica to start gets `http_port`),
-    instead of behind Serve's proxy. Ray reads it when Serve's controller and replicas start, so it
+    instead of behind Serve's proxy; a stopping replica with nothing in flight keeps its port `drain_s`
+    seconds (`ingress_drain_s`). Ray reads it when Serve's controller and replicas start, so it
     must be in the environment of the processes Ray starts (`pdserve serve` sets it before it starts
     Ray; on an existing cluster set it on every node).
 
@@ -63,7 +64,8 @@ def direct_ingress_env(http_port: int, num_ports: int) -> dict[str, str]:
     serving layer costs a few percent (benchmarks/serving_overhead.py)."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(http_port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + num_ports)}
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(http_port + num_ports),
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(drain_s)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +167,11 @@ class ServeConfig:
         False, "the ingress replica serves HTTP on http_port itself (Ray Serve's direct ingress), without the "
                "proxy's relay of every streamed token; Serve's proxy moves to a free port (printed)",
         doc="See Direct ingress below; under `serve run` / `serve deploy` set Ray's variables yourself")
+    ingress_drain_s: float = setting(
+        2.0, "with direct_ingress: how long a stopping ingress replica with no request in flight keeps its port "
+             "open, for a load balancer in front of it to notice (requests in flight always finish first)",
+        doc="Ray's RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, whose own default (30 s) made every stop "
+            "take over half a minute")
 
     def direct_ingress_ports(self) -> int:
         """HTTP ports direct ingress may hand out: one per ingress replica of the HTTP and of the gRPC
@@ -182,7 +189,7 @@ class ServeConfig:
         if self.num_prefill_workers < 0:
             raise ServeConfigError(f"num_prefill_workers must be >= 0 (0: colocated), got {self.num_prefill_workers}")
         for name in ("worker_num_cpus", "worker_num_gpus", "local_prefill_max_tokens", "upscale_delay_s",
-                     "downscale_delay_s"):
+                     "downscale_delay_s", "ingress_drain_s"):
             if getattr(self, name) < 0:
                 raise ServeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s", "ingress_target_ongoing_requests",

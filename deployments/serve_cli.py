@@ -199,7 +199,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 0
     proxy_port = cfg.http_port
     if cfg.direct_ingress:
-        di_env = direct_ingress_env(cfg.http_port, cfg.direct_ingress_ports())
+        di_env = direct_ingress_env(cfg.http_port, cfg.direct_ingress_ports(), cfg.ingress_drain_s)
         if launch.address and any(os.environ.get(k) != v for k, v in di_env.items()):
             print("pdserve: --direct-ingress on an existing cluster needs, on every node, the environment "
                   + " ".join(f"{k}={v}" for k, v in di_env.items()), file=sys.stderr)

@@ -25,7 +25,7 @@ QUESTION = "What is the capital of France?"
 def server():
     port, proxy_port = free_port(), free_port()
     # NOTE: Ray's processes read it at start: local_serve sets it before ray.init, restores it after.
-    env = direct_ingress_env(port, ServeConfig().direct_ingress_ports())
+    env = direct_ingress_env(port, ServeConfig().direct_ingress_ports(), ServeConfig().ingress_drain_s)
     with local_serve(3, http_port=proxy_port, env=env):
         serve.run(build_app({"num_prefill_workers": 0, "num_decode_workers": 1, "kv_cache_memory_mb": 64,
                              "max_num_seqs": 8}), name="pdserve", route_prefix="/")
