@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.common import COPY_INSTRUCTIONS, fmt, machine_info, print_table, repo_paragraphs, warm_up, write_json
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.spec import Speculator
+from engine.spec.speculator import Speculator
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("off", "ngram", "suffix")

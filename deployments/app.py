@@ -21,7 +21,6 @@ from deployments.config import ServeConfig
 from engine.config import schema_limits
 from deployments.frontend.http_app import build_openai_app
 from deployments.frontend.structured_request import set_schema_limits
-from deployments.cluster.router import WORKER_PREFIX, RouterActor
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 
@@ -34,12 +33,17 @@ NAMESPACE = "pdserve"
 def get_or_create_router(config: ServeConfig) -> Any:
     """The one router of this cluster (a detached named actor; it owns the worker pools), on a node
     with `config.router_resources` when they are set."""
+    # Imported here: the router's module brings the workers' (torch), which the door's process never runs.
+    from deployments.cluster.router import RouterActor
+
     return RouterActor.options(name=ROUTER_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached",
                                resources=dict(config.router_resources) or None).remote(config)
 
 
 def shutdown_router(timeout_s: float = 30.0) -> None:
     """Kill the router and its workers (they are owned by it)."""
+    from deployments.cluster.pools import WORKER_PREFIX
+
     try:
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     except ValueError:

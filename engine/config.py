@@ -26,6 +26,8 @@ SPECULATIVE_METHOD_ENV = "PDSERVE_SPECULATIVE_METHOD"
 DEFAULT_SPECULATIVE_METHOD = os.environ.get(SPECULATIVE_METHOD_ENV) or "off"
 # Which waiting request runs first: arrival order, or the request's `priority` (lower first), as vLLM.
 SchedulingPolicy = Literal["fcfs", "priority"]
+# The ops backends (engine/ops/): named here so that a config is checked without importing torch.
+OPS_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
 
@@ -193,7 +195,6 @@ class EngineConfig:
             raise EngineConfigError(f"kv_cache_memory_mb must be > 0 (or None), got {self.kv_cache_memory_mb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from engine.ops import OPS_BACKENDS
         if self.ops_backend not in OPS_BACKENDS:
             raise EngineConfigError(f"ops_backend={self.ops_backend!r}: choose one of {', '.join(OPS_BACKENDS)}")
         if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step <= 0:

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 
-from engine.llm_engine import _resumed_tail, check_cache_salt
+from engine.llm_engine import _resumed_tail
+from engine.sampling_params import check_cache_salt
 from engine.request import Request, RequestStatus, extend_block_keys
 from engine.sampling_params import SamplingParams
 

@@ -22,19 +22,13 @@ from engine.request import Request, RequestOutput, RequestStatus
 from engine.device_sampler import sample_on_device
 from engine.sampler import SampleResult
 from engine.stop_strings import hit_stop_string
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, check_cache_salt
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec.speculator import Speculator, SpecStats
 from engine.structured import GrammarCache, GrammarJob
 
 logger = logging.getLogger(__name__)
-MAX_CACHE_SALT_CHARS = 1024
 GRAMMAR_IDLE_WAIT_S = 0.02  # a step with nothing but pending grammars waits this long for one
-
-
-def check_cache_salt(cache_salt: str | None) -> None:
-    if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
-        raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
 
 Prompt = str | list[int]
 

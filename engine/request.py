@@ -10,12 +10,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
 from engine.block_manager import BlockKey
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.structured import GrammarState
 
 

@@ -161,3 +161,13 @@ class SamplingParams:
         bad = [t for t in (self.logit_bias or {}) if t >= vocab_size]
         if bad:
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab_size}), got {bad[:4]}")
+
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """A request's `cache_salt` (kept beside its sampling parameters: both are checked at the door and
+    again by the engine that runs it)."""
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
+        raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")

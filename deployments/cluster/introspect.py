@@ -9,7 +9,7 @@ from typing import Any
 from deployments.cluster.messages import Role
 from deployments.cluster.pools import Pools
 from deployments.cluster.state import RouterState, WorkerView
-from engine.spec import SpecStats
+from engine.spec.speculator import SpecStats
 
 
 def _worker(w: WorkerView) -> dict[str, Any]:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from deployments.frontend.hub_wire import HubAddress
 from engine import SamplingParams
 from engine.request import TokenLogprob
-from engine.spec import SpecStats
-from kv_transfer import KVHandle
+from engine.spec.speculator import SpecStats
+
+if TYPE_CHECKING:  # the door's process reads these messages without loading torch (kv_transfer does)
+    from kv_transfer import KVHandle
 
 
 class Role(str, enum.Enum):

@@ -24,10 +24,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
-from deployments.engine_host import EngineHost, HostHooks
-from engine import InvalidRequestError, LLMEngine, SamplingParams
+from engine import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
+    from engine import LLMEngine
     from engine.request import TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -135,6 +135,8 @@ class LocalEngineBackend:
         self._streams: dict[str, _Stream] = {}  # guarded by _cv
         self._closed = False
         self._idle_since: float | None = None  # engine thread only
+        from deployments.engine_host import EngineHost, HostHooks  # torch: the door's process does not need it
+
         self.host = EngineHost(engine, "pdserve", HostHooks(after_step=self._deliver_step, step_failed=self._step_failed,
                                                            idle=self._idle_check, closing=self._close_all),
                                idle_wait_s=IDLE_CHECK_S)

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from deployments.frontend.prompt_input import PromptInput, PromptKind  # noqa: F401 - re-exported
 from deployments.frontend.tool_calls import check_chat_template
 from engine import InvalidRequestError, PromptTooLongError, SamplingParams
-from engine.llm_engine import check_cache_salt
+from engine.sampling_params import check_cache_salt
 from engine.structured import StructuredSpec
 
 # Omitted max_tokens for a text or token-id prompt; chat gets the rest of the context instead.

@@ -16,10 +16,10 @@ import os
 
 import torch
 
+from engine.config import OPS_BACKENDS
 from engine.errors import EngineConfigError
 from engine.ops.base import Ops, RopeTables, StepPlan
 
-OPS_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
 
 
 def default_backend(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:

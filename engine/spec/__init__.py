@@ -9,12 +9,4 @@ verifies them all in one forward pass, and an adaptive controller decides how ma
     speculator.py the engine's side: drafts before a step, feedback and counters after it
 """
 
-from engine.spec.controller import SpecController
-from engine.spec.ngram import NgramProposer
-from engine.spec.proposer import Proposer, make_proposer
-from engine.spec.speculator import Speculator, SpecStats
-from engine.spec.suffix import SuffixProposer
-from engine.spec.verify import verify_greedy, verify_sampled
-
-__all__ = ["Proposer", "NgramProposer", "SuffixProposer", "SpecController", "Speculator", "SpecStats",
-           "make_proposer", "verify_greedy", "verify_sampled"]
+# No re-exports: the router's process reads SpecStats (speculator.py) without loading torch (verify.py).

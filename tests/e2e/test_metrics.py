@@ -114,7 +114,7 @@ def test_speculation_counters_export_differences_and_bench_reads_health():
     engine under the same id starts over), and `pdserve bench` diffs two /health readings."""
     from deployments.bench_report import server_speculation, speculation_delta
     from deployments.metrics import spec_increments
-    from engine.spec import SpecStats
+    from engine.spec.speculator import SpecStats
 
     wid = f"w-{uuid.uuid4().hex[:6]}"
     assert spec_increments(wid, SpecStats("ngram", 8, 5, 9, 4)) == (8, 5, 9)

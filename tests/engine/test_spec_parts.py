@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.spec import NgramProposer, SpecController, SuffixProposer, make_proposer, verify_greedy, verify_sampled
+from engine.spec.controller import SpecController
+from engine.spec.ngram import NgramProposer
+from engine.spec.proposer import make_proposer
+from engine.spec.suffix import SuffixProposer
+from engine.spec.verify import verify_greedy, verify_sampled
 
 
 def test_ngram_proposes_what_followed_the_last_earlier_occurrence():

@@ -14,7 +14,7 @@ from device_params import DEVICES, skip_without_default_model
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import EngineConfigError, InvalidRequestError
 from engine.request import RequestOutput
-from engine.spec import SpecController
+from engine.spec.controller import SpecController
 from engine.spec.controller import PROBE_EVERY
 from engine.spec.speculator import EXPLORE_SEQS
 from engine.kv_lending import KVLending
