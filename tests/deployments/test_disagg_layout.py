@@ -5,7 +5,10 @@ request through the prefill worker and the KV transfer answers as one engine doe
 from __future__ import annotations
 
 
+import json
+
 import httpx
+import jsonschema
 import pytest
 
 from helpers import served_cli
@@ -36,3 +39,39 @@ def test_a_chat_request_goes_through_the_prefill_pool_and_the_kv_transfer(served
     counters = httpx.get(f"{url}/health", timeout=30).json()["router"]["counters"]
     # Admitted into the decode worker after a prefill elsewhere, none prefilled where it decodes.
     assert counters["admitted"] >= 1 and counters["local_prefills"] == 0, counters
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_schema_constrained_answer_continues_its_grammar_after_the_kv_transfer(served, stream):
+    # The prefill worker samples the first token under the grammar; the decode worker, after the KV
+    # moved, must go on from that token's grammar state, or the JSON breaks at the seam.
+    url, _, _ = served
+    before = httpx.get(f"{url}/health", timeout=30).json()["router"]["counters"]
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Invent a person."}],
+            "temperature": 1.5, "seed": 7, "max_tokens": 60, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    if not stream:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text, finish = choice["message"]["content"], choice["finish_reason"]
+    else:
+        parts, finish = [], None
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120, json=body) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for c in json.loads(line[6:])["choices"]:
+                        parts.append(c["delta"].get("content") or "")
+                        finish = c.get("finish_reason") or finish
+        text = "".join(parts)
+    assert finish == "stop", (finish, text)
+    jsonschema.validate(json.loads(text), PERSON)
+    after = httpx.get(f"{url}/health", timeout=30).json()["router"]["counters"]
+    assert after["admitted"] > before["admitted"] and after["local_prefills"] == before["local_prefills"], after
+

@@ -214,6 +214,7 @@ def test_prefill_worker_dies_requests_retried(cluster, engine):
     wait_no_leaks(router)
 
 
+@pytest.mark.slow  # six 400-token streams that outlast a router restart: ~2 min on 2 cores
 def test_router_dies_streams_continue_and_new_requests_served(cluster, reference):
     want, eng = reference
     long_want = _greedy(eng, LONG_MAX_TOKENS)

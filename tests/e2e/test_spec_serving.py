@@ -122,6 +122,7 @@ def server():
         yield f"http://127.0.0.1:{port}", ray.get_actor(ROUTER_NAME, namespace=NAMESPACE), mport, gport
 
 
+@pytest.mark.slow  # its own prefill + decode cluster (~100 s on 2 cores); TestColocated stays in the default run
 class TestDisaggregated:
     """Greedy, sampled, opted-out and moved streams, and the reports, with a prefill pool."""
 

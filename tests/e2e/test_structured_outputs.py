@@ -43,7 +43,9 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
 TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+# The disaggregated run is slow (its own cluster, every case again); tests/deployments/test_disagg_layout.py
+# keeps a schema-constrained answer through the prefill pool and the KV transfer in the default run.
+@pytest.fixture(scope="module", params=["colocated", pytest.param("disaggregated", marks=pytest.mark.slow)])
 def server(request):
     gport = free_port()
     with local_serve(4, grpc_port=gport) as port:

@@ -5,6 +5,7 @@ inputs), so the check against transformers' fp32 generate is an agreement bound,
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from device_params import skip_without_default_model
@@ -36,6 +37,7 @@ def test_bf16_on_cpu_multiplies_in_bf16_over_fp32_activations(tiny_model_dir):
     assert fp32.matmul_dtype is None and fp32.model.lin_qkv[0].weight.dtype == torch.float32
 
 
+@pytest.mark.slow  # ~40 s on 2 cores: SmolLM2 in bf16 against transformers in fp32
 def test_bf16_on_cpu_mostly_agrees_with_transformers_fp32():
     skip_without_default_model()
     engine = LLMEngine(EngineConfig(dtype="bfloat16", num_kv_blocks=512))

@@ -24,7 +24,9 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import run_offline, wait_for, wait_no_leaks
 from netbed import HostSpec, deploy_http, host_of_node, pids_titled, start_pdserve, stream_all
 
-pytestmark = pytest.mark.multinode
+# Five hosts with the real model: ~5 min on 2 cores. test_tiny_model_hosts keeps a cross-host stream
+# (KV over the veth links) and a scale-up in the default run.
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 
 HOSTS = [HostSpec("head", 0, {"router": 1}), HostSpec("ing", 0, {"ingress": 1}), HostSpec("pre", 1, {"prefill": 1}),
          HostSpec("dec1", 1, {"decode": 1}), HostSpec("dec2", 1, {"decode": 1})]
