@@ -132,6 +132,38 @@ def http_port_error(host: str, port: int) -> str | None:
     return None
 
 
+# How long the door may take to answer through the advertised address once Serve says the app is
+# deployed: Serve retries a failed bind on its own (seen: "Failed to bind ... Retrying", never
+# recovering), so this bounds that wait.
+DOOR_ANSWER_TIMEOUT_S = 60.0
+
+
+def door_answer_error(url: str, timeout_s: float = DOOR_ANSWER_TIMEOUT_S, poll_s: float = 0.5) -> str | None:
+    """Why `GET {url}/health` did not answer 200 within `timeout_s` (None: it did). A wildcard bind
+    address is probed on loopback. Every try is bounded; a refused connection or a 5xx is retried."""
+    import httpx
+
+    scheme, rest = url.split("://", 1)
+    host, port = rest.rsplit(":", 1)
+    if host in ("0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "[::1]"
+    probe = f"{scheme}://{host}:{port}/health"
+    deadline = time.monotonic() + timeout_s
+    last = "nothing tried"
+    while True:
+        try:
+            # trust_env off: a user's HTTP(S)_PROXY must not carry a probe of this host's own port
+            r = httpx.get(probe, timeout=min(5.0, max(timeout_s, 0.1)), trust_env=False)
+            if r.status_code == 200:
+                return None
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as exc:
+            last = type(exc).__name__
+        if time.monotonic() + poll_s > deadline:
+            return f"nothing answered {probe} within {timeout_s:.0f} s (last: {last})"
+        time.sleep(poll_s)
+
+
 def _free_port(host: str) -> int:
     import socket
 
@@ -206,13 +238,17 @@ def _serve(args: argparse.Namespace) -> int:
             return 2
         os.environ.update(di_env)
         proxy_port = _free_port(cfg.http_host)
-    _start(launch, cfg, proxy_port)
+    if not _start(launch, cfg, proxy_port):
+        _stop()
+        return 3
     _wait_for_stop()
     return 0
 
 
-def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> None:
-    """Start Ray (unless joined), start Serve, deploy the HTTP (and gRPC) app, and print where it serves."""
+def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> bool:
+    """Start Ray (unless joined), start Serve, deploy the HTTP (and gRPC) app, and print where it
+    serves once a request through that address was answered. False: it never was (said on stderr,
+    naming the port); the caller takes everything down and exits non-zero."""
     import ray
     from ray import serve
 
@@ -232,6 +268,10 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> None:
     if launch.grpc_port:
         serve.run(build_grpc_app(cfg), name="pdserve-grpc", route_prefix="/pdserve-grpc")
     url = f"http://{cfg.http_host}:{cfg.http_port}"
+    if why := door_answer_error(url):
+        print(f"pdserve: the HTTP door is not serving port {cfg.http_port}: {why}. Stopping.", file=sys.stderr,
+              flush=True)
+        return False
     print_ready(url, cfg.served_model_name, time.perf_counter() - t0)
     if launch.grpc_port:
         print(f"  gRPC: pdserve.Generation/Generate on port {launch.grpc_port} of every interface "
@@ -239,15 +279,11 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> None:
     if cfg.direct_ingress:
         print(f"  direct ingress: the ingress replica serves {url}; Serve's proxy is on port {proxy_port}",
               flush=True)
+    return True
 
 
 def _wait_for_stop() -> None:
     """Serve until Ctrl-C or SIGTERM, then take down Serve, the router with its workers, and Ray."""
-    import ray
-    from ray import serve
-
-    from deployments.app import shutdown_router
-
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
@@ -256,6 +292,16 @@ def _wait_for_stop() -> None:
     except KeyboardInterrupt:
         pass
     print("pdserve: shutting down", flush=True)
+    _stop()
+
+
+def _stop() -> None:
+    """Take down Serve, the router with its workers, and Ray (this process's connection to it)."""
+    import ray
+    from ray import serve
+
+    from deployments.app import shutdown_router
+
     serve.shutdown()
     shutdown_router()
     ray.shutdown()
