@@ -260,6 +260,7 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> bool:
         apply_ray_env_defaults()
         needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
         ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False)
+        print(f"pdserve: Ray at {ray_access_line()}", flush=True)
     serve.start(http_options={"host": cfg.http_host, "port": proxy_port},
                 grpc_options=grpc_options(launch.grpc_port) if launch.grpc_port else None)
     t0 = time.perf_counter()
@@ -280,6 +281,19 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> bool:
         print(f"  direct ingress: the ingress replica serves {url}; Serve's proxy is on port {proxy_port}",
               flush=True)
     return True
+
+
+def ray_access_line() -> str:
+    """Where this process's Ray listens and whether it asks for a token: Ray turns token
+    authentication on by default for the clusters `ray.init` starts (pdserve keeps it so); a client,
+    `pdserve serve --address` included, joins with RAY_AUTH_MODE=token and the token in
+    ~/.ray/auth_token (or RAY_AUTH_TOKEN)."""
+    import ray
+
+    on = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    return (f"{ray.get_runtime_context().gcs_address}, token authentication "
+            + ("on (joining needs RAY_AUTH_MODE=token and the token in ~/.ray/auth_token)" if on
+               else "OFF (RAY_AUTH_MODE says so): anyone who reaches this port can run code here"))
 
 
 def _wait_for_stop() -> None:

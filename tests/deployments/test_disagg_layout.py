@@ -6,6 +6,9 @@ from __future__ import annotations
 
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import jsonschema
@@ -74,4 +77,28 @@ def test_a_schema_constrained_answer_continues_its_grammar_after_the_kv_transfer
     jsonschema.validate(json.loads(text), PERSON)
     after = httpx.get(f"{url}/health", timeout=30).json()["router"]["counters"]
     assert after["admitted"] > before["admitted"] and after["local_prefills"] == before["local_prefills"], after
+
+
+_JOIN = """import sys, ray
+try:
+    ray.init(address=sys.argv[1])
+    print("JOINED")
+except Exception as exc:  # the refusal, whatever Ray wraps it in
+    print("REFUSED", exc)
+"""
+
+
+def test_a_client_without_the_ray_token_is_refused(served):
+    # The cluster `pdserve serve` started keeps Ray's token authentication on: a client that joins
+    # without the token is turned away by the GCS before it can run anything.
+    _, _, lines = served
+    line = next(ln for ln in lines if ln.startswith("pdserve: Ray at "))
+    assert "token authentication on" in line, line
+    address = line.split("Ray at ", 1)[1].split(",", 1)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["RAY_AUTH_MODE"] = "disabled"  # a client that sends no token
+    out = subprocess.run([sys.executable, "-c", _JOIN, address], env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert "REFUSED" in out.stdout and "JOINED" not in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert "InvalidAuthToken" in out.stdout + out.stderr, (out.stdout, out.stderr[-2000:])
 
