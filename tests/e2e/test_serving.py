@@ -192,6 +192,30 @@ def test_disconnect_mid_stream_frees_blocks_everywhere(server):
     assert stats["counters"]["aborted"] >= 1
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_fan_out_client_that_disconnects_has_every_sequence_aborted(server, stream):
+    # n choices of batched prompts, each long enough to run for minutes: the client goes away (a
+    # streamed one after a few chunks, a non-streamed one when its read times out) and every one of
+    # its sequences must end on every worker, not run to max_tokens.
+    url, router, _ = server
+    before = ray.get(router.stats.remote())["counters"]["aborted"]
+    body = {"model": MODEL, "prompt": ["Tell me a very long story", "Write a very long poem"], "n": 3,
+            "max_tokens": 2000, "ignore_eos": True, "temperature": 1.0, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+                if len(seen) == 6:  # every sequence has started
+                    break
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=8))
+    wait_no_leaks(router, timeout_s=30)  # 2000 tokens each would take minutes
+    assert ray.get(router.stats.remote())["counters"]["aborted"] - before >= 6
+
+
 def test_grpc_generate_streams_same_tokens(server, offline):
     import grpc
 
