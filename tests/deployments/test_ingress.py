@@ -681,6 +681,27 @@ def test_non_streaming_client_disconnect_aborts_request(engine, backend, server)
     wait_drained(backend, timeout_s=5)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_fan_out_client_that_disconnects_has_every_sequence_aborted(engine, backend, server, stream):
+    # 2 prompts x n=3, 2000 tokens each: the six sequences end when the client goes, not at max_tokens.
+    wait_drained(backend)
+    body = {"model": MODEL, "prompt": ["Count to one thousand:", "List every prime:"], "n": 3, "max_tokens": 2000,
+            "ignore_eos": True, "temperature": 1.0, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+                if len(seen) == 6:
+                    break
+        assert len(seen) == 6
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=2.0))
+    wait_drained(backend, timeout_s=5)
+
+
 @pytest.mark.parametrize("num_chunks", [0, 3])
 def test_cancelled_handler_aborts_request(engine, backend, num_chunks):
     """Ray Serve cancels the handler task when its client goes: before or after the first chunk."""
