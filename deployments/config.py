@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from deployments.config_fields import Setting, settings_of
+from deployments.tracing import check_exporter
 from engine import EngineConfig
 from engine.config import setting
 from engine.errors import EngineConfigError
@@ -165,6 +166,13 @@ class ServeConfig:
         False, "the ingress replica serves HTTP on http_port itself (Ray Serve's direct ingress), without the "
                "proxy's relay of every streamed token; Serve's proxy moves to a free port (printed)",
         doc="See Direct ingress below; under `serve run` / `serve deploy` set Ray's variables yourself")
+    otlp_endpoint: str | None = setting(
+        None, "send a trace of every request (OpenTelemetry) to this OTLP/HTTP endpoint, e.g. "
+              "http://collector:4318/v1/traces; off when unset (no cost)",
+        doc="Needs the OTLP exporter: `pip install 'pdserve[otel]'`. See docs/guides/observability.md")
+    trace_exporter: str | None = setting(
+        None, "development: also write every request's trace to the console (`console`) or as JSON lines to "
+              "`file:PATH` (one file per process, `PATH.<pid>`)", doc="See docs/guides/observability.md")
 
     def direct_ingress_ports(self) -> int:
         """HTTP ports direct ingress may hand out: one per ingress replica of the HTTP and of the gRPC
@@ -192,6 +200,10 @@ class ServeConfig:
         if self.decode_max_prefill_tokens is not None and self.decode_max_prefill_tokens <= 0:
             raise ServeConfigError(f"decode_max_prefill_tokens must be > 0 (or none: max_num_batched_tokens), "
                                    f"got {self.decode_max_prefill_tokens}")
+        try:
+            check_exporter(self.trace_exporter)
+        except ValueError as e:
+            raise ServeConfigError(str(e)) from None
         self._check_pool_bounds()
         self._check_resources()
         if self.ingress_replicas < 1 or self.ingress_max_replicas is not None and \

@@ -50,7 +50,7 @@ def single_process_engine_config(cfg: ServeConfig) -> EngineConfig:
 def build_single_process_app(cfg: ServeConfig):
     """The engine of `cfg` on a thread of its own, behind the OpenAI HTTP
     app; returns (app, backend). `backend.shutdown()` stops the engine."""
-    from deployments import metrics
+    from deployments import metrics, tracing
     from deployments.frontend.backend import LocalEngineBackend
     from deployments.frontend.http_app import build_openai_app
     from deployments.frontend.structured_request import set_schema_limits
@@ -66,6 +66,7 @@ def build_single_process_app(cfg: ServeConfig):
                            scheduling_policy=cfg.engine.scheduling_policy)
     metrics.use_local_registry()
     add_metrics_route(app)
+    tracing.configure(cfg.otlp_endpoint, cfg.trace_exporter, "pdserve")
     return app, backend
 
 

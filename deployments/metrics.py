@@ -360,6 +360,50 @@ def record_kv_pull(worker_id: str, nbytes: int, seconds: float) -> None:
     m.kv_seconds.observe(seconds, tags={"pool": "decode"})
 
 
+# ---------------------------------------------------------------------- KV pairs
+class KVPairMetrics:
+    """A `kv_transfer.pair_stats.PairListener`: a decode worker's pairs as the pdserve_kv_pair_* series.
+
+    NOTE: Ray's gauges export only the values set since its last report, so `refresh` sets the pair
+    gauges again (at most once per LOAD_REFRESH_S) from the worker's loop, busy or idle."""
+
+    def __init__(self) -> None:
+        self._last_refresh = 0.0
+
+    def refresh(self, pairs: list[Any]) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh < LOAD_REFRESH_S or (m := _get()) is None:
+            return
+        self._last_refresh = now
+        for pair in pairs:
+            tags = self._tags(pair)
+            if pair.probe_gbps is not None:
+                m.pair_probe_gbps.set(pair.probe_gbps, tags=tags)
+            if pair.live_gbps is not None:
+                m.pair_live_gbps.set(pair.live_gbps, tags=tags)
+
+    @staticmethod
+    def _tags(pair: Any) -> dict[str, str]:
+        return {"src": pair.src, "dst": pair.dst, "transport": pair.transport or "none"}
+
+    def opened(self, pair: Any) -> None:
+        if (m := _get()) is not None and pair.probe_gbps is not None:
+            m.pair_probe_gbps.set(pair.probe_gbps, tags=self._tags(pair))
+
+    def transferred(self, pair: Any, nbytes: int) -> None:
+        if (m := _get()) is None:
+            return
+        tags = self._tags(pair)
+        m.pair_transfers.inc(tags=tags)
+        m.pair_bytes.inc(nbytes, tags=tags)
+        if pair.live_gbps is not None:
+            m.pair_live_gbps.set(pair.live_gbps, tags=tags)
+
+    def failed(self, pair: Any, cause: Any) -> None:
+        if (m := _get()) is not None:
+            m.pair_failures.inc(tags={**self._tags(pair), "cause": cause.value})
+
+
 # ---------------------------------------------------------------------- ingress
 class RequestTimer:
     """Latencies of one request as its client sees them; `tokens` on each delivery, `finish` once."""

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
-from deployments import metrics
+from deployments import metrics, tracing
 from deployments.engine_host import EngineHost, HostHooks
 from engine import InvalidRequestError, LLMEngine, SamplingParams
 
@@ -149,6 +149,8 @@ class LocalEngineBackend:
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
         timer = metrics.RequestTimer()
+        t0 = time.time_ns()
+        rt = tracing.current()  # the door's trace of this request (None: tracing off)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine backend is shut down")
@@ -166,12 +168,15 @@ class LocalEngineBackend:
                 raise QueueFullError(f"server busy: {queued} requests queued (max_queued_requests "
                                      f"{self.max_queued_requests}); retry later", self.retry_after_s)
             self._streams[request_id] = stream
+            if rt is not None:
+                tracing.stream_started()
             ids = list(prompt_token_ids)
             self.host.post(lambda eng: self._add(eng, request_id, ids, params, priority, cache_salt))
         metrics.count_submitted()
         finished = False
         finish_reason: str | None = None
         num_cached: int | None = None
+        num_tokens = 0
         try:
             while not finished:
                 try:
@@ -200,13 +205,18 @@ class LocalEngineBackend:
                     item.finished, item.finish_reason, item.error = nxt.finished, nxt.finish_reason, nxt.error
                 finished = item.finished
                 timer.tokens(len(item.token_ids))
+                num_tokens += len(item.token_ids)
                 if num_cached is None and item.token_ids:
                     num_cached = item.num_cached_tokens
+                    if rt is not None:  # one engine computes it all: its queue and prefill end here
+                        tracing.record("first_token", rt.span, t0, attributes={"cached_tokens": num_cached})
                 if finished:
                     finish_reason = item.finish_reason
                 yield item
         finally:
             timer.finish(finish_reason, stream.num_prompt_tokens, num_cached or 0)
+            if rt is not None:
+                tracing.stream_finished(t0, finish_reason, stream.num_prompt_tokens, num_tokens, num_cached or 0)
             if not finished:
                 self._abort_nowait(request_id)
 

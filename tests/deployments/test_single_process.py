@@ -10,6 +10,7 @@ tests/e2e/test_openai_parity.py ("single" there is `build_single_process_app`)."
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -274,6 +275,19 @@ def test_metrics_move_with_a_request(served):
         assert name in moved, (name, sorted(moved))
     assert after["ray_pdserve_generation_tokens_total"] - before.get("ray_pdserve_generation_tokens_total", 0) == 5
     assert "ray_pdserve_kv_cache_usage" in after and "ray_pdserve_pool_workers" in after
+
+
+def test_status_prints_the_single_engine(served, capsys):
+    url, _, _ = served
+    capsys.readouterr()
+    assert main(["status", "--url", url]) == 0
+    text = capsys.readouterr().out
+    assert f"pdserve at {url}" in text and "status ok" in text and "single process" in text
+    assert main(["status", "--url", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["status"] == "ok" and doc["num_blocks"] > 0
+    assert main(["status", "--url", "http://127.0.0.1:1"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
 
 
 def test_sigterm_stops_the_server_cleanly(served):
