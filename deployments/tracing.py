@@ -221,13 +221,15 @@ def stream_started() -> dict[str, str] | None:
 
 def stream_finished(start_ns: int, finish_reason: str | None, num_prompt_tokens: int, num_tokens: int,
                     num_cached_tokens: int = 0) -> None:
-    """A backend's stream of the current request ended: its `finish` span; the root ends with the last."""
+    """A backend's stream of the current request (opened at `start_ns`) ended: its `finish` span, a point
+    in time; the root ends with the last stream."""
     rt = current()
     if rt is None:
         return
-    record("finish", rt.span, start_ns, attributes={"finish_reason": finish_reason or "aborted",
-                                                   "prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens,
-                                                   "cached_tokens": num_cached_tokens})
+    now = time.time_ns()
+    record("finish", rt.span, now, now, {"finish_reason": finish_reason or "aborted", "prompt_tokens": num_prompt_tokens,
+                                         "completion_tokens": num_tokens, "cached_tokens": num_cached_tokens,
+                                         "stream_ms": round((now - start_ns) / 1e6, 3)})
     rt.open_streams -= 1
     if rt.open_streams <= 0:
         end(rt.span, {"finish_reason": finish_reason or "aborted"})

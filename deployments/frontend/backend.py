@@ -209,7 +209,9 @@ class LocalEngineBackend:
                 if num_cached is None and item.token_ids:
                     num_cached = item.num_cached_tokens
                     if rt is not None:  # one engine computes it all: its queue and prefill end here
-                        tracing.record("first_token", rt.span, t0, attributes={"cached_tokens": num_cached})
+                        now = time.time_ns()
+                        tracing.record("first_token", rt.span, now, now, {"cached_tokens": num_cached,
+                                                                         "ttft_ms": round((now - t0) / 1e6, 3)})
                 if finished:
                     finish_reason = item.finish_reason
                 yield item

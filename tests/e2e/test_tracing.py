@@ -96,8 +96,11 @@ def test_single_process_request_is_one_trace_under_the_clients_traceparent(tiny_
     for name in ("door.parse", "door.prepare", "first_token", "finish"):
         assert _one(by_name, name)["parent_id"] == root["span_id"], name
     assert _one(by_name, "door.prepare")["attributes"]["prompt_tokens"] == 5
-    assert _one(by_name, "finish")["attributes"] == {"finish_reason": "length", "prompt_tokens": 5,
-                                                     "completion_tokens": 4, "cached_tokens": 0}
+    finish = _one(by_name, "finish")
+    assert finish["start_ns"] == finish["end_ns"] and finish["attributes"].pop("stream_ms") > 0
+    assert finish["attributes"] == {"finish_reason": "length", "prompt_tokens": 5, "completion_tokens": 4,
+                                    "cached_tokens": 0}
+    assert _one(by_name, "first_token")["attributes"]["ttft_ms"] > 0
     assert {s["trace_id"] for s in spans} == {CLIENT_TRACE}
 
 
