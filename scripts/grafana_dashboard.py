@@ -1,4 +1,4 @@
-"""Write docs/guides/grafana/pdserve.json, a Grafana dashboard of pdserve's series (deployments/metrics.py),
+"""Write docs/guides/grafana/pdserve.json, a Grafana dashboard of pdserve's series (deployments/metric_series.py),
 for both layouts (the names are `ray_pdserve_*` in each). `--check`: exit 1 if the file is out of date.
 
     PYTHONPATH=$PWD python scripts/grafana_dashboard.py [--check]
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "guides" / "grafana" / "pdserve.json"
-P = "ray_"  # deployments.metrics.EXPORT_PREFIX
+P = "ray_"  # deployments.metric_series.EXPORT_PREFIX
 
 # (title, unit, [(PromQL, legend)]): one panel each, in rows of two.
 PANELS = [
