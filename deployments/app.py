@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from deployments import tracing
 from deployments.config import ServeConfig
 from engine.config import schema_limits
 from deployments.frontend.http_app import build_openai_app
@@ -69,6 +70,7 @@ class OpenAIIngress:
     def __init__(self, cfg: ServeConfig):
         from engine.model_loader import load_tokenizer
 
+        tracing.configure(cfg.otlp_endpoint, cfg.trace_exporter, "pdserve-ingress")
         self.router = get_or_create_router(cfg)
         info = ray.get(self.router.wait_ready.remote(900.0), timeout=960.0)
         hub_id = f"hub-{uuid.uuid4().hex[:8]}"

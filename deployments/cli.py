@@ -1,4 +1,5 @@
-"""The `pdserve` command line: `serve` (the server), `demo` (offline generation), `bench` (load generator)."""
+"""The `pdserve` command line: `serve` (the server), `status` (the running server's map), `demo` (offline
+generation), `bench` (load generator)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub, flags=serve_flags)
+    from deployments.status_cli import add_status_parser
+
+    add_status_parser(sub)
     try:
         from deployments.bench_cli import add_bench_parser
     except ImportError:
@@ -54,7 +58,7 @@ def build_parser(serve_flags: bool = True) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(serve_flags=not argv or argv[0] != "bench").parse_args(argv)
+    args = build_parser(serve_flags=not argv or argv[0] not in ("bench", "status")).parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:  # a bad setting: its message names the field; no traceback

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from deployments.config_fields import Setting, settings_of
+from deployments.tracing import check_exporter
 from engine import EngineConfig
 from engine.config import setting
 from engine.errors import EngineConfigError
@@ -172,6 +173,13 @@ class ServeConfig:
              "open, for a load balancer in front of it to notice (requests in flight always finish first)",
         doc="Ray's RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, whose own default (30 s) made every stop "
             "take over half a minute")
+    otlp_endpoint: str | None = setting(
+        None, "send a trace of every request (OpenTelemetry) to this OTLP/HTTP endpoint, e.g. "
+              "http://collector:4318/v1/traces; off when unset (no cost)",
+        doc="Needs the OTLP exporter: `pip install 'pdserve[otel]'`. See docs/guides/observability.md")
+    trace_exporter: str | None = setting(
+        None, "development: also write every request's trace to the console (`console`) or as JSON lines to "
+              "`file:PATH` (one file per process, `PATH.<pid>`)", doc="See docs/guides/observability.md")
 
     def direct_ingress_ports(self) -> int:
         """HTTP ports direct ingress may hand out: one per ingress replica of the HTTP and of the gRPC
@@ -199,6 +207,10 @@ class ServeConfig:
         if self.decode_max_prefill_tokens is not None and self.decode_max_prefill_tokens <= 0:
             raise ServeConfigError(f"decode_max_prefill_tokens must be > 0 (or none: max_num_batched_tokens), "
                                    f"got {self.decode_max_prefill_tokens}")
+        try:
+            check_exporter(self.trace_exporter)
+        except ValueError as e:
+            raise ServeConfigError(str(e)) from None
         self._check_pool_bounds()
         self._check_resources()
         if self.ingress_replicas < 1 or self.ingress_max_replicas is not None and \

@@ -12,8 +12,8 @@ waking every 10 ms) run on the same few cores as the engine's OpenMP threads. Ev
 preempts an engine thread, the other engine thread waits for it at the end of the parallel region,
 so each core-ms they take costs the engine about two. Measured on 2 cores (docs/guides/layouts.md): the Ray colocated layout kept 0.71-0.78x of the engine alone at concurrency 1 and 8; this
 layout keeps what the engine alone keeps, less the HTTP work itself. What it gives up is what Ray is
-for: more than one worker, a prefill pool, autoscaling, moving sequences off a dead worker, gRPC
-through Serve's proxy and Prometheus export through Ray; `pdserve serve` refuses those settings here
+for: more than one worker, a prefill pool, autoscaling, moving sequences off a dead worker and gRPC
+through Serve's proxy (its `/metrics` is its own, under the Ray layouts' names); `pdserve serve` refuses those settings here
 rather than ignore them (`deployments.layouts.ray_only_settings`).
 
 The same app and backend serve the tests' in-process servers (tests/deployments/test_ingress.py).
@@ -50,6 +50,7 @@ def single_process_engine_config(cfg: ServeConfig) -> EngineConfig:
 def build_single_process_app(cfg: ServeConfig):
     """The engine of `cfg` on a thread of its own, behind the OpenAI HTTP
     app; returns (app, backend). `backend.shutdown()` stops the engine."""
+    from deployments import metrics, tracing
     from deployments.frontend.backend import LocalEngineBackend
     from deployments.frontend.http_app import build_openai_app
     from deployments.frontend.structured_request import set_schema_limits
@@ -63,7 +64,25 @@ def build_single_process_app(cfg: ServeConfig):
     app = build_openai_app(backend, engine.tokenizer, cfg.served_model_name, engine.max_model_len,
                            api_key=cfg.api_key, vocab_size=engine.vocab_size,
                            scheduling_policy=cfg.engine.scheduling_policy)
+    metrics.use_local_registry()
+    add_metrics_route(app)
+    tracing.configure(cfg.otlp_endpoint, cfg.trace_exporter, "pdserve")
     return app, backend
+
+
+def add_metrics_route(app) -> None:
+    """`GET /metrics`: this process's series in Prometheus' text format, under the Ray layouts' names
+    (deployments/metrics.py). Behind the door's API key like /v1/* (http_auth.BearerAuth): a scraper
+    sends `Authorization: Bearer KEY` (Prometheus: `authorization: {credentials: KEY}`)."""
+    from fastapi.responses import Response
+
+    from deployments import metrics
+
+    async def route() -> Response:
+        body, content_type = metrics.render_local()
+        return Response(body, media_type=content_type)
+
+    app.add_api_route("/metrics", route, methods=["GET"], response_model=None, include_in_schema=False)
 
 
 def serve_single_process(cfg: ServeConfig) -> None:

@@ -1,14 +1,22 @@
-"""pdserve's Prometheus metrics, through `ray.util.metrics` (Ray's metrics endpoint exports them with a
-`ray_` prefix, e.g. `ray_pdserve_time_to_first_token_seconds_bucket`).
+"""pdserve's Prometheus metrics: one table of series (`SERIES`), recorded through `ray.util.metrics`
+in the Ray layouts and through prometheus_client in the single-process layout, under the same names.
 
     Router actor   ─▶ queue depth and size per pool; rejected, retries, migrations, transfer failures
     Workers        ─▶ per step: batch size, tokens, step time, running / waiting, KV-block use, preemptions;
                       decode side: KV transfer bytes and seconds; speculative decoding's draft, accepted
                       and emitted tokens (tag `method`), acceptance rate and mean accepted length
+    KV pairs       ─▶ per (prefill worker, decode worker) pair: transport, probe and live GB/s, transfers,
+                      bytes, failures by cause (kv_transfer/pair_stats.py)
     Ingress        ─▶ per request: TTFT, TPOT, inter-token latency, end-to-end, prompt / generation tokens
 
+Names: Ray's exporter prefixes every metric with `ray_`, so the Ray layouts' series are `ray_pdserve_*`.
+The single-process layout registers its series with that same prefix (`EXPORT_PREFIX`), so one
+dashboard and one set of queries serve both layouts (`exported_series()` is the set).
+
 A metric object records in the process that created it, so each process builds its own set on first
-use (`_get`). Every function here is a no-op outside a Ray process (e.g. unit tests without Ray).
+use (`_get`): Ray's when this process is part of a Ray cluster, prometheus_client's when
+`use_local_registry()` was called (the single-process server), none otherwise (unit tests without
+Ray: every function here is then a no-op).
 NOTE: workers call `record_step` once per engine step: a handful of calls (~5 µs each), never one per
 token per request.
 """
@@ -16,111 +24,115 @@ token per request.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
-import ray
-from ray.util.metrics import Counter, Gauge, Histogram
+# NOTE: exported_series is re-exported: callers read the names through this module too
+from deployments.metric_series import EXPORT_PREFIX, SERIES, Series, exported_series  # noqa: F401
 
-# Seconds, wide enough for a GPU's few-ms steps and a CPU's multi-second prompts.
-LATENCY_BUCKETS_S = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
-                     5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0]
-PER_TOKEN_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                       0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0]
-COUNT_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 LOAD_REFRESH_S = 1.0  # how often an idle worker refreshes its load gauges
 
 logger = logging.getLogger(__name__)
 
-_POOL = ("pool",)
-_WORKER = ("pool", "worker_id")
-_SPEC = ("pool", "worker_id", "method")
+
+class _Recorder:
+    """One metric behind the calls the record functions make (`inc`, `set`, `observe`, with `tags`),
+    whichever library holds it."""
+
+    __slots__ = ("_m", "_labeled")
+
+    def __init__(self, metric: Any, labeled: bool):
+        self._m, self._labeled = metric, labeled
+
+    def _child(self, tags: dict[str, str] | None) -> Any:
+        return self._m.labels(**tags) if self._labeled else self._m
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self._child(tags).inc(value)
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self._child(tags).set(value)
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self._child(tags).observe(value)
+
+
+def _ray_metric(s: Series) -> Any:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    if s.kind == "counter":
+        return Counter(s.name, description=s.doc, tag_keys=s.tags)
+    if s.kind == "gauge":
+        return Gauge(s.name, description=s.doc, tag_keys=s.tags)
+    return Histogram(s.name, description=s.doc, boundaries=list(s.buckets), tag_keys=s.tags)
+
+
+def _prom_metric(s: Series, registry: Any) -> _Recorder:
+    import prometheus_client as prom
+
+    name = EXPORT_PREFIX + s.name
+    if s.kind == "counter":
+        m = prom.Counter(name, s.doc, s.tags, registry=registry)
+    elif s.kind == "gauge":
+        m = prom.Gauge(name, s.doc, s.tags, registry=registry)
+    else:
+        m = prom.Histogram(name, s.doc, s.tags, registry=registry, buckets=s.buckets)
+    return _Recorder(m, bool(s.tags))
 
 
 class _Metrics:
-    """Every pdserve metric, created once per process."""
+    """Every pdserve metric, created once per process: an attribute per `Series.attr`."""
 
-    def __init__(self) -> None:
-        def counter(name: str, doc: str, tags: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, description=doc, tag_keys=tags)
-
-        def gauge(name: str, doc: str, tags: tuple[str, ...]) -> Gauge:
-            return Gauge(name, description=doc, tag_keys=tags)
-
-        def hist(name: str, doc: str, buckets: list[float], tags: tuple[str, ...] = ()) -> Histogram:
-            return Histogram(name, description=doc, boundaries=buckets, tag_keys=tags)
-
-        # router
-        self.queue_depth = gauge("pdserve_queue_depth", "Requests waiting for a worker of this pool "
-                                 "(prefill: not yet prefilled; decode: prefilled, waiting for a slot).", _POOL)
-        self.pool_workers = gauge("pdserve_pool_workers", "Workers in the pool (ready or starting).", _POOL)
-        self.submitted = counter("pdserve_requests_submitted_total", "Requests the router accepted.")
-        self.rejected = counter("pdserve_requests_rejected_total", "Requests refused because the queue was full.")
-        self.retries = counter("pdserve_retries_total", "Requests prefilled again after a prefill worker "
-                               "died or a KV transfer failed.")
-        self.migrations = counter("pdserve_migrations_total", "Requests moved off a dead decode worker.")
-        self.transfer_failures = counter("pdserve_kv_transfer_failures_total", "KV transfers that failed.")
-        self.worker_deaths = counter("pdserve_worker_deaths_total", "Workers found dead.", _POOL)
-        # workers, per step
-        self.running = gauge("pdserve_running_seqs", "Sequences in the worker's running batch.", _WORKER)
-        self.waiting = gauge("pdserve_waiting_seqs", "Sequences waiting in the worker's engine.", _WORKER)
-        self.kv_used = gauge("pdserve_kv_blocks_used", "KV-cache blocks in use.", _WORKER)
-        self.kv_usage = gauge("pdserve_kv_cache_usage", "Fraction of the worker's KV-cache blocks in use.", _WORKER)
-        self.batch_size = hist("pdserve_batch_size", "Sequences per engine step.", COUNT_BUCKETS, _POOL)
-        self.step_tokens = hist("pdserve_step_tokens", "Tokens computed per engine step.", COUNT_BUCKETS, _POOL)
-        self.step_seconds = hist("pdserve_step_seconds", "Engine step time.", LATENCY_BUCKETS_S, _POOL)
-        self.prefill_tokens = counter("pdserve_prefill_tokens_total", "Prompt tokens computed (recomputation "
-                                      "after preemption or migration included).", _WORKER)
-        self.decode_tokens = counter("pdserve_decode_tokens_total", "Decode tokens computed.", _WORKER)
-        self.cache_hit_tokens = counter("pdserve_prefix_cache_hit_tokens_total", "Prompt tokens taken from the "
-                                        "prefix cache instead of computed.", _WORKER)
-        self.preemptions = counter("pdserve_preemptions_total", "Sequences preempted for lack of KV blocks.",
-                                   _WORKER)
-        # speculative decoding, decode side
-        self.spec_drafted = counter("pdserve_spec_draft_tokens_total", "Draft tokens verified by the model.",
-                                    _SPEC)
-        self.spec_accepted = counter("pdserve_spec_accepted_tokens_total", "Draft tokens verification kept.",
-                                     _SPEC)
-        self.spec_emitted = counter("pdserve_spec_emitted_tokens_total", "Tokens that verifying sequence-steps "
-                                    "produced: accepted drafts plus the model's own token of each.", _SPEC)
-        self.spec_acceptance = gauge("pdserve_spec_acceptance_rate", "Accepted / drafted tokens since the "
-                                     "worker started.", _SPEC)
-        self.spec_mean_len = gauge("pdserve_spec_mean_accepted_length", "Tokens per verifying sequence-step "
-                                   "(1 + accepted drafts) since the worker started.", _SPEC)
-        # KV transfer, decode side
-        self.kv_bytes = counter("pdserve_kv_transfer_bytes_total", "KV-cache bytes received.", _WORKER)
-        self.kv_seconds = hist("pdserve_kv_transfer_seconds", "Time to pull one request's KV blocks.",
-                               LATENCY_BUCKETS_S, _POOL)
-        # ingress, per request
-        self.ttft = hist("pdserve_time_to_first_token_seconds", "From the request to its first token.",
-                         LATENCY_BUCKETS_S)
-        self.tpot = hist("pdserve_time_per_output_token_seconds", "Per request: (end-to-end - TTFT) / "
-                         "(output tokens - 1).", PER_TOKEN_BUCKETS_S)
-        self.itl = hist("pdserve_inter_token_latency_seconds", "Gap between token deliveries, per token.",
-                        PER_TOKEN_BUCKETS_S)
-        self.e2e = hist("pdserve_e2e_request_latency_seconds", "From the request to its last token.",
-                        LATENCY_BUCKETS_S)
-        self.requests = counter("pdserve_requests_total", "Requests that ended, by finish reason.",
-                                ("finish_reason",))
-        self.prompt_tokens = counter("pdserve_prompt_tokens_total", "Prompt tokens of ended requests.")
-        self.cached_prompt_tokens = counter("pdserve_prompt_tokens_cached_total", "Prompt tokens of ended "
-                                            "requests that their prefill found in the prefix cache.")
-        self.generation_tokens = counter("pdserve_generation_tokens_total", "Tokens delivered to clients.")
+    def __init__(self, registry: Any = None) -> None:
+        for s in SERIES:
+            setattr(self, s.attr, _ray_metric(s) if registry is None else _prom_metric(s, registry))
 
 
-_metrics: _Metrics | None = None
+_metrics: _Metrics | None = None  # Ray's, in a process of a Ray cluster
+_local: _Metrics | None = None  # prometheus_client's, once `use_local_registry()` made it
+_registry: Any = None  # the local registry
 _lock = threading.Lock()
 _last_load_refresh = 0.0
 # worker id -> (drafted, accepted, emitted) when last exported: the counters go up by the difference.
 _spec_seen: dict[str, tuple[int, int, int]] = {}
 
 
+def use_local_registry() -> Any:
+    """Record this process's metrics in a prometheus_client registry of its own (the single-process
+    layout, which has no Ray to export them) and return it; `render_local()` is its /metrics text.
+    While Ray is up in this process its metrics still go to Ray (a test process may hold both)."""
+    global _local, _registry
+    import prometheus_client as prom
+
+    with _lock:
+        if _registry is None:
+            prom.disable_created_metrics()  # NOTE: Ray's exporter has no `_created` series either
+            _registry = prom.CollectorRegistry(auto_describe=True)
+            _local = _Metrics(_registry)
+    return _registry
+
+
+def render_local() -> tuple[bytes, str]:
+    """(body, content type) of the local registry's exposition; empty when none is in use."""
+    import prometheus_client as prom
+
+    if _registry is None:
+        return b"", prom.CONTENT_TYPE_LATEST
+    return prom.generate_latest(_registry), prom.CONTENT_TYPE_LATEST
+
+
+def _ray_up() -> bool:
+    ray = sys.modules.get("ray")  # NOTE: never imported here: the single-process layout runs without it
+    return ray is not None and ray.is_initialized()
+
+
 def _get() -> _Metrics | None:
     global _metrics
+    if not _ray_up():
+        return _local
     if _metrics is None:
-        if not ray.is_initialized():
-            return None
         with _lock:
             if _metrics is None:
                 _metrics = _Metrics()
@@ -236,6 +248,50 @@ def record_kv_pull(worker_id: str, nbytes: int, seconds: float) -> None:
         return
     m.kv_bytes.inc(nbytes, tags={"pool": "decode", "worker_id": worker_id})
     m.kv_seconds.observe(seconds, tags={"pool": "decode"})
+
+
+# ---------------------------------------------------------------------- KV pairs
+class KVPairMetrics:
+    """A `kv_transfer.pair_stats.PairListener`: a decode worker's pairs as the pdserve_kv_pair_* series.
+
+    NOTE: Ray's gauges export only the values set since its last report, so `refresh` sets the pair
+    gauges again (at most once per LOAD_REFRESH_S) from the worker's loop, busy or idle."""
+
+    def __init__(self) -> None:
+        self._last_refresh = 0.0
+
+    def refresh(self, pairs: list[Any]) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh < LOAD_REFRESH_S or (m := _get()) is None:
+            return
+        self._last_refresh = now
+        for pair in pairs:
+            tags = self._tags(pair)
+            if pair.probe_gbps is not None:
+                m.pair_probe_gbps.set(pair.probe_gbps, tags=tags)
+            if pair.live_gbps is not None:
+                m.pair_live_gbps.set(pair.live_gbps, tags=tags)
+
+    @staticmethod
+    def _tags(pair: Any) -> dict[str, str]:
+        return {"src": pair.src, "dst": pair.dst, "transport": pair.transport or "none"}
+
+    def opened(self, pair: Any) -> None:
+        if (m := _get()) is not None and pair.probe_gbps is not None:
+            m.pair_probe_gbps.set(pair.probe_gbps, tags=self._tags(pair))
+
+    def transferred(self, pair: Any, nbytes: int) -> None:
+        if (m := _get()) is None:
+            return
+        tags = self._tags(pair)
+        m.pair_transfers.inc(tags=tags)
+        m.pair_bytes.inc(nbytes, tags=tags)
+        if pair.live_gbps is not None:
+            m.pair_live_gbps.set(pair.live_gbps, tags=tags)
+
+    def failed(self, pair: Any, cause: Any) -> None:
+        if (m := _get()) is not None:
+            m.pair_failures.inc(tags={**self._tags(pair), "cause": cause.value})
 
 
 # ---------------------------------------------------------------------- ingress

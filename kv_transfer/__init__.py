@@ -5,6 +5,7 @@ listed below it (no cycles, no imports inside functions to dodge one):
 
     factory              make_transport -> DeviceTransport: per peer gloo, NCCL, or staged (one GPU)
     endpoints            KVSender / KVReceiver: one request's leased blocks over the protocol
+    pair_stats           PairBook: each pair's transport, probe / live GB/s, failures by cause
     protocol             header, chunks and acknowledgement over one channel
     staged               gloo channels carrying a GPU cache through pinned host memory (a pair on one GPU)
     gloo, nccl, inproc   the transports

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import ray
 
-from deployments import metrics
+from deployments import metrics, tracing
 from deployments.cluster.engine_worker import AbortMarks, EngineWorker, engine_arrival
 from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin
 from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, FetchFrom, GenRequest, Role, StreamEvent,
@@ -16,6 +16,7 @@ from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, Fet
 from deployments.config import ServeConfig
 from engine import RequestOutput
 from kv_transfer import KVHandle, KVTransferError
+from kv_transfer.pair_stats import cause_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self.prefix_fetch_tokens = 0
         self._backup_calls: list[tuple[Any, KVHandle]] = []  # `kv_backup` calls made, not yet seen to end
         self._reported = (0.0, -1, -1)  # (when, running, waiting) of the last report sent
+        self._pairs_reported = 0  # the version of its KV pairs' book the router last got
         self._since_report = (0, 0)  # (largest batch, preemptions) of the steps not reported yet
         self._start()
 
@@ -72,14 +74,39 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         """Fetch the KV from `prefill_actor` and join the running batch. Refused (the router re-prefills)
         on any transfer failure; blocks on both sides are already freed then."""
         t0 = time.perf_counter()
+        adm = tracing.start("decode.admission", req.trace, {"worker": self.worker_id, "attempt": req.attempt})
+        t_pull = time.time_ns()
         try:
             block_ids = self.kv_importer.pull(handle, prefill_actor)
         except KVTransferError as exc:
             logger.warning("%s: KV pull of %s failed: %r", self.worker_id, req.request_id, exc)
+            if adm is not None:
+                self._trace_transfer(adm, t_pull, handle, exc)
+                tracing.end(adm, {"accepted": False, "reason": f"KV pull failed: {type(exc).__name__}"})
             with self.lock:
                 self._aborted.take(req)  # its call is over
             return Admission(False, f"KV pull failed: {exc!r}", retry=True)
         metrics.record_kv_pull(self.worker_id, handle.nbytes, time.perf_counter() - t0)
+        if adm is not None:
+            self._trace_transfer(adm, t_pull, handle)
+        if adm is None:
+            return self._admit_pulled(req, handle, block_ids)
+        ans = self._admit_pulled(req, handle, block_ids)
+        tracing.end(adm, {"accepted": ans.accepted, "reason": ans.reason or None})
+        return ans
+
+    def _trace_transfer(self, parent: Any, start_ns: int, handle: KVHandle, exc: BaseException | None = None) -> None:
+        """The `kv.transfer` span of a pull that began at `start_ns` (cluster/traces.py)."""
+        seconds = max(time.time_ns() - start_ns, 1) / 1e9
+        kind = self.kv_importer.transport.kind_of(handle.worker_id)
+        tracing.record("kv.transfer", parent, start_ns, attributes={
+            "src": handle.worker_id, "dst": self.worker_id, "bytes": handle.nbytes, "blocks": handle.num_blocks,
+            "lease_epoch": handle.epoch, "transport": kind.value if kind is not None else None,
+            "gbps": None if exc is not None else round(handle.nbytes / seconds / 1e9, 4),
+            "error": None if exc is None else type(exc).__name__,
+            "failure_cause": None if exc is None else cause_of(exc).value})
+
+    def _admit_pulled(self, req: GenRequest, handle: KVHandle, block_ids: list[int]) -> Admission:
         with self.lock:
             if self._aborted.take(req) or ray.get_runtime_context().is_canceled():  # the router gave up on it
                 self.lending.free_blocks(block_ids)
@@ -92,6 +119,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                 self.lending.free_blocks(block_ids)
                 return Admission(False, str(exc) or type(exc).__name__)
             self.requests[req.request_id] = req
+            self.traces.begin("decode", req, {"prompt_tokens": len(req.prompt_token_ids)})
         self.host.wake()
         return Admission(True)
 
@@ -110,6 +138,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         prefix cache (a moved sequence: its prompt, or a KV backup). Pull them into this worker's
         prefix cache first, so only the rest is recomputed here.
         It happens while both workers' steps run; if it fails, the whole prompt is computed here."""
+        t0 = time.time_ns()
         fetched = self._fetch_prefix(req, fetch) if fetch is not None else []
         with self.lock:
             if fetched:
@@ -125,6 +154,12 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                 logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
                 return Admission(False, str(exc) or type(exc).__name__)
             self.requests[req.request_id] = req
+            if req.trace is not None:
+                tracing.record("resume", req.trace, t0, attributes={
+                    "worker": self.worker_id, "attempt": req.attempt, "offset": req.offset, "moved": req.offset > 0,
+                    "prompt_tokens": len(req.prompt_token_ids), "fetched_blocks": len(fetched),
+                    "fetched_from": fetch.worker_id if fetch is not None else None})
+                self.traces.begin("decode", req, {"prompt_tokens": len(req.prompt_token_ids), "offset": req.offset})
             if backup is not None:
                 self._backups[req.request_id] = backup
         self.host.wake()
@@ -160,6 +195,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             elif req is not None and attempt is not None and req.attempt != attempt:
                 return False  # a newer attempt runs here: the abort was for one the router gave up on
             self._backups.pop(request_id, None)
+            self.traces.end(request_id, {"finish_reason": "abort"})
             return EngineWorker.abort(self, request_id, attempt)
 
     def num_abort_marks(self) -> int:
@@ -180,10 +216,24 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self.kv_exporter.close()
         self.shutdown()
 
+    def _refresh_pair_gauges(self) -> None:
+        pairs = self.kv_importer.pairs
+        if pairs.version:
+            pairs.listener.refresh(pairs.pairs())
+
     def _idle(self) -> None:
+        self._refresh_pair_gauges()
         with self.lock:
             self._settle()
+            pairs = self.kv_importer.pairs
+            report = self.report() if pairs.version != self._pairs_reported else None
         self._reap_backup_calls()
+        if report is not None:
+            # NOTE: a pull failed (or a channel opened) and no step followed: pulls that keep failing
+            # leave this worker idle, and that is when the router's view of its pairs matters most.
+            self._pairs_reported, report.kv_pairs = pairs.version, pairs.snapshot()
+            report.num_steps = self.num_steps
+            self.router.report_decode.remote(report)
 
     def _reap_backup_calls(self) -> None:
         """A `kv_backup` call that ended without pulling its copy (its prefill worker died before the
@@ -241,6 +291,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                 if out.finished:
                     ev.finished, ev.finish_reason = True, out.finish_reason
                     ev.error = out.error  # finish_reason "error": what this request alone did wrong
+                    self.traces.end(out.request_id, {"finish_reason": out.finish_reason,
+                                                     "output_tokens": len(out.token_ids)})
                     del self.requests[out.request_id]
                     finished.append(out.request_id)
                 events.append(ev)
@@ -253,6 +305,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                                                       b.target.first_block, b.cache_salt)
                 self._backup_calls.append((ref, b.handle))
         self._reap_backup_calls()
+        self._refresh_pair_gauges()
         batch, preempted = self._since_report
         batch, preempted = max(batch, stats.num_seqs), preempted + stats.num_preempted
         now = time.monotonic()
@@ -267,5 +320,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         report.step_s = stats.duration_s
         report.num_preempted = preempted
         report.num_steps = self.num_steps
+        pairs = self.kv_importer.pairs
+        if pairs.version != self._pairs_reported:
+            self._pairs_reported, report.kv_pairs = pairs.version, pairs.snapshot()
         self.router.report_decode.remote(report)
 

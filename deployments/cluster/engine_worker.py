@@ -21,7 +21,8 @@ from typing import Any, Callable, TypeVar
 import ray
 import torch
 
-from deployments import metrics
+from deployments import metrics, tracing
+from deployments.cluster.traces import WorkerTraces
 from deployments.cluster.core_share import CoreShare, node_cores, share_dir
 from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
@@ -108,6 +109,8 @@ class EngineWorker:
         self.worker_id = worker_id
         self.config = config
         self.router = router
+        tracing.configure(config.otlp_endpoint, config.trace_exporter, f"pdserve-{self.role.value}")
+        self.traces = WorkerTraces(worker_id)  # spans of traced requests (cluster/traces.py)
         self.engine = LLMEngine(config.engine_config(self.role.value))
         self.lending = KVLending(self.engine)  # the engine's side of KV transfer
         on_cpu = torch.device(self.engine.config.device).type == "cpu"
@@ -203,7 +206,8 @@ class EngineWorker:
         e = self.engine
         return WorkerInfo(self.worker_id, self.role, ModelInfo(e.model_dir, e.max_model_len, e.vocab_size),
                           e.block_manager.num_blocks, e.block_manager.block_size, ray.util.get_node_ip_address(),
-                          ray.get_runtime_context().get_node_id())
+                          ray.get_runtime_context().get_node_id(), device=str(e.runner.kv_cache.device),
+                          num_threads=e.config.num_threads or 0)
 
     def ping(self) -> str:
         return self.worker_id

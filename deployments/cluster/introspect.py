@@ -13,7 +13,10 @@ from engine.spec.speculator import SpecStats
 
 
 def _worker(w: WorkerView) -> dict[str, Any]:
-    return {"ready": w.ready, "draining": w.draining, "node_id": w.info.node_id if w.info else None}
+    i = w.info
+    return {"ready": w.ready, "draining": w.draining, "node_id": i.node_id if i else None,
+            "node_ip": i.node_ip if i else None, "device": i.device if i else None,
+            "num_threads": i.num_threads if i else None, "num_blocks": i.num_blocks if i else None}
 
 
 def spec_summary(spec: SpecStats | None) -> dict[str, Any] | None:
@@ -34,6 +37,9 @@ def router_stats(state: RouterState, pools: Pools, last: int = 20) -> dict[str, 
         "num_pending_decode": len(state.pending_decode),
         "num_unplaced": len(state.unplaced),
         "pools": {r.value: pools.describe(r) for r in Role},
+        # requests waiting for a worker of each pool (the `pdserve_queue_depth` gauge's values)
+        "queues": {Role.PREFILL.value: state.num_waiting_prefill(), Role.DECODE.value: len(state.pending_decode)},
+        "max_num_seqs": pools.config.engine.max_num_seqs,
         "decisions": [d.as_dict() for d in list(pools.decisions)[-last:]],
         "moves": [m._asdict() for m in list(state.moves)[-last:]],
         "prefill": {w.worker_id: {"queued_prompt_tokens": w.queued_prompt_tokens, **_worker(w),
@@ -42,7 +48,11 @@ def router_stats(state: RouterState, pools: Pools, last: int = 20) -> dict[str, 
         "decode": {w.worker_id: {"max_batch_seen": w.max_batch_seen, "num_steps": w.num_steps,
                                  "free_blocks": w.report.num_free_blocks if w.report else None,
                                  "running": w.report.num_running if w.report else 0,
+                                 "waiting": w.report.num_waiting if w.report else 0,
                                  "prefill_backlog": w.prefill_backlog(), **_worker(w),
                                  "speculation": spec_summary(w.report.spec if w.report else None)}
                    for w in state.decode.values()},
+        # every (prefill worker, decode worker) KV pair as its decode worker last reported it
+        # (kv_transfer/pair_stats.py): transport, probe / live GB/s, transfers, bytes, failures by cause
+        "kv_pairs": [p for w in state.decode.values() for p in w.kv_pairs.values()],
     }

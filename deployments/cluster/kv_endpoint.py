@@ -42,15 +42,18 @@ import collections
 import contextlib
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import ray
 
+from deployments import metrics
 from engine import LLMEngine, RequestOutput
 from engine.kv_lending import KVLending
 from kv_transfer.nccl import pin_interface
+from kv_transfer.pair_stats import PROBE_BYTES, PairBook, PostedProbe, probe_send
 from kv_transfer import (KVHandle, KVLayout, KVReceiver, KVSender, KVTransferError, LeaseTable, PeerDiedError,
-                         TransferTimeoutError, make_transport)
+                         ReceiverOutOfBlocksError, TransferTimeoutError, make_transport)
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +135,12 @@ class KVExporter:
         """Send `handle`'s blocks to `peer_id` (which is in `KVImporter.pull`); returns after its ack."""
         self.sender.push(handle, peer_id)
 
+    def probe(self, peer_id: str, nbytes: int) -> str | None:
+        """The sending half of the probe of a channel `peer_id` just opened (`pair_stats.probe_send`);
+        returns this cache's device id (None: a CPU) for the importer's transport check."""
+        probe_send(self.transport.channel(peer_id), self.sender.kv_cache, nbytes, self.sender.timeout_s)
+        return self.transport.device_id
+
     def release(self, request_id: str, epoch: int) -> bool:
         """Drop the lease (the decode side gave up before the push); False if already gone or superseded."""
         return self.leases.release(request_id, epoch)
@@ -187,6 +196,9 @@ class KVExportMixin:
     def kv_push(self, handle: KVHandle, peer_id: str) -> None:
         self.kv_exporter.push(handle, peer_id)
 
+    def kv_probe(self, peer_id: str, nbytes: int) -> str | None:
+        return self.kv_exporter.probe(peer_id, nbytes)
+
     def kv_release(self, request_id: str, epoch: int) -> bool:
         return self.kv_exporter.release(request_id, epoch)
 
@@ -207,6 +219,8 @@ class KVImporter:
         self.transport = _transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s,
                                     getattr(engine.runner, "compute_stream", None))
         self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s)
+        # per exporting peer: transport, probe and live GB/s, transfers, failures by cause (/health, metrics)
+        self.pairs = PairBook(worker_id, metrics.KVPairMetrics())
         self._open_locks: dict[str, threading.Lock] = {}
         self._open_locks_lock = threading.Lock()
         self._pushes: list[tuple[ray.ObjectRef, str]] = []  # acked pushes whose return is not yet seen
@@ -245,6 +259,33 @@ class KVImporter:
             except ray.exceptions.RayActorError as e:
                 raise PeerDiedError(f"{peer} died before opening a KV channel: {e}") from None
             self.transport.connect(peer, address)
+            self._probe(peer, exporter, timeout_s)
+
+    def _probe(self, peer: str, exporter: ray.actor.ActorHandle, timeout_s: float) -> None:
+        """Measure the channel just opened to `peer` (kv_transfer/pair_stats.py) and book it. A probe that
+        fails drops the channel and raises, as the first transfer over it would have."""
+        kind = self.transport.kind_of(peer)
+        transport = kind.value if kind is not None else type(self.transport).__name__
+        try:
+            probe_call = exporter.kv_probe
+        except AttributeError:  # an exporter without the probe (tests' hand-made actors): book it unmeasured
+            self.pairs.opened(peer, transport, None, my_device=self.transport.device_id)
+            return
+        channel = self.transport.channel(peer)
+        try:
+            with channel.lock:
+                posted = PostedProbe(channel, self.receiver.kv_cache, PROBE_BYTES)
+                ref = probe_call.remote(self.worker_id, PROBE_BYTES)
+                gbps = posted.wait(timeout_s)
+            peer_device = ray.get(ref, timeout=timeout_s)
+        except BaseException as e:
+            self.transport.drop(peer, channel)
+            if isinstance(e, ray.exceptions.RayActorError):
+                raise PeerDiedError(f"{peer} died while probing the KV channel: {e}") from None
+            if isinstance(e, ray.exceptions.GetTimeoutError):
+                raise TransferTimeoutError(f"{peer} did not finish the KV channel probe in {timeout_s:.1f}s") from None
+            raise
+        self.pairs.opened(peer, transport, gbps, peer_device, self.transport.device_id)
 
     def pull(self, handle: KVHandle, exporter: ray.actor.ActorHandle, timeout_s: float | None = None) -> list[int]:
         """Fetch `handle`'s KV into newly allocated blocks of this engine and return their ids.
@@ -255,6 +296,19 @@ class KVImporter:
         `KVTransferError` subclass, with nothing held on either side, if the request must be re-prefilled.
         """
         timeout_s = timeout_s or self.timeout_s
+        try:
+            block_ids, seconds = self._pull(handle, exporter, timeout_s)
+        except ReceiverOutOfBlocksError:
+            raise  # this worker's room, not the pair's health
+        except KVTransferError as e:
+            self.pairs.failed(handle.worker_id, e)
+            raise
+        self.pairs.transferred(handle.worker_id, handle.nbytes, seconds)
+        return block_ids
+
+    def _pull(self, handle: KVHandle, exporter: ray.actor.ActorHandle, timeout_s: float) -> tuple[list[int], float]:
+        """`pull`'s work; also returns the seconds of the transfer itself (the push call, header, blocks and
+        ack: not the channel's opening), for the pair's live GB/s."""
         self._reap_pushes()
         push_ref: list[ray.ObjectRef] = []
 
@@ -269,6 +323,7 @@ class KVImporter:
         except KVTransferError:
             abandon()
             raise
+        t0 = time.perf_counter()
         try:
             block_ids = self.receiver.receive(handle, start_push, abandon, timeout_s)
         except TransferTimeoutError as e:
@@ -277,9 +332,10 @@ class KVImporter:
             raise
         # NOTE: not waiting for the push to return: that is one more Ray round trip on the admission
         # path, and the exporter frees its copy on our ack by itself. Its result is only logged.
+        seconds = time.perf_counter() - t0
         with self._open_locks_lock:
             self._pushes.append((push_ref[0], handle.request_id))
-        return block_ids
+        return block_ids, seconds
 
     def _reap_pushes(self) -> None:
         with self._open_locks_lock:

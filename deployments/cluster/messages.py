@@ -50,6 +50,8 @@ class GenRequest:
     attempt: int = 0
     # Prefix-cache entries (and cache-aware placement) are shared only among requests of the same salt.
     cache_salt: str | None = None
+    # The door's trace context (W3C `traceparent` carrier, deployments/tracing.py); None: not traced.
+    trace: dict[str, str] | None = None
 
     @property
     def num_resumed_output(self) -> int:
@@ -102,6 +104,9 @@ class DecodeReport:
     prefill_backlog: int = 0  # prompt tokens still to compute here (local prefills, moved sequences)
     spec: SpecStats | None = None  # speculative decoding's counters since the worker started (for /health)
     num_steps: int = 0  # steps the worker has run
+    # its KV pairs (kv_transfer/pair_stats.py: `PairBook.snapshot()`), only when they changed since the
+    # previous report; None: unchanged
+    kv_pairs: dict[str, dict] | None = None
 
 
 class SubmitResult(NamedTuple):
@@ -132,6 +137,8 @@ class WorkerInfo:
     block_size: int
     node_ip: str
     node_id: str
+    device: str = ""  # its engine's device (cpu, cuda:0, ...)
+    num_threads: int = 0  # its engine's CPU threads (0: not set, torch's default)
 
 
 class LeasedKV(NamedTuple):

@@ -190,6 +190,8 @@ class Placement:
         if w is None:
             return []
         w.report = report
+        if report.kv_pairs is not None:
+            w.kv_pairs = report.kv_pairs
         w.num_steps = max(w.num_steps + 1, report.num_steps)
         w.max_batch_seen = max(w.max_batch_seen, report.batch_size)
         for rid in report.finished_ids:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import ray
@@ -84,6 +85,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                                         urgent=req.offset > 0, cache_salt=req.cache_salt,
                                         num_resumed_output=req.num_resumed_output)
                 self.requests[req.request_id] = req
+                self.traces.begin("prefill", req, {"prompt_tokens": len(req.prompt_token_ids)})
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
             self.router.on_finished.remote(self.worker_id, req.request_id)
@@ -129,6 +131,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
 
     def _after_step(self, outs: list[RequestOutput], stats) -> None:
         events, reqs = [], []
+        self.traces.step(self.engine.step_request_ids, stats)
         for out in outs:
             with self.lock:
                 req = self.requests.pop(out.request_id, None)
@@ -143,12 +146,16 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                              prompt_logprobs=out.prompt_logprobs if req.offset == 0 else None)
             if out.finish_reason == "prefilled":
                 handle = self.kv_exporter.grant(out, out.num_prompt_tokens)
+                self.traces.child(req.request_id, "first_token", time.time_ns())
+                self.traces.end(req.request_id, {"cached_tokens": out.num_cached_tokens, "lease_epoch": handle.epoch,
+                                                 "kv_bytes": handle.nbytes})
                 with self.lock:
                     self.leased[req.request_id] = LeasedKV(req, handle)
                 self.router.on_prefilled.remote(self.worker_id, req.request_id, handle)
             else:
                 ev.finished, ev.finish_reason = True, out.finish_reason
                 ev.error = out.error  # finish_reason "error": what this request alone did wrong
+                self.traces.end(req.request_id, {"finish_reason": out.finish_reason})
                 self.router.on_finished.remote(self.worker_id, req.request_id)
             events.append(ev)
             reqs.append(req)

@@ -32,7 +32,8 @@ from typing import Any
 
 import ray
 
-from deployments import metrics
+from deployments import metrics, tracing
+from deployments.cluster.traces import RouterTraces
 from deployments.cluster.decode_worker import DecodeWorker
 from deployments.cluster.introspect import router_stats
 from deployments.cluster.messages import DecodeReport, GenRequest, ModelInfo, Role, SubmitResult
@@ -70,6 +71,8 @@ class Router(RouterCalls):
         self.pools = Pools(config, self.state, self.placement)
         self.recovery = Recovery(config, self.state, self.placement)
         self.actors: dict[str, Any] = {}  # worker id -> its actor handle, while it is in a pool
+        tracing.configure(config.otlp_endpoint, config.trace_exporter, "pdserve-router")
+        self.traces = RouterTraces(config.local_prefill_max_tokens, config.colocated)
         self._ready = asyncio.Event()
         self._startup_error: str | None = None
         self._tasks = [asyncio.get_event_loop().create_task(self._start())]
@@ -192,6 +195,8 @@ class Router(RouterCalls):
         return SubmitResult(True)
 
     async def on_prefilled(self, worker_id: str, request_id: str, handle: KVHandle) -> None:
+        if (t := self.state.tracked.get(request_id)) is not None:
+            self.traces.prefilled(t.req)
         self._do(self.placement.prefilled(worker_id, request_id, handle))
 
     async def on_finished(self, worker_id: str, request_id: str) -> None:
@@ -206,6 +211,7 @@ class Router(RouterCalls):
         self.placement.record_backup(worker_id, request_id, num_tokens, copied_tokens)
 
     async def abort(self, request_id: str) -> None:
+        self.traces.forget(request_id)
         self._do(self.placement.abort(request_id))
 
     # ------------------------------------------------------------------ failures

@@ -20,6 +20,7 @@ from deployments.cluster.messages import BackupTo, FetchFrom, GenRequest
 from deployments.cluster.placement import Placement
 from deployments.cluster.recovery import Claim, Recovery, Requeue
 from deployments.cluster.state import RouterState, Stage, Tracked, WorkerView
+from deployments.cluster.traces import RouterTraces
 from deployments.config import ServeConfig
 
 WORKER_CALL_TIMEOUT_S = 300.0  # the longest the router watches a quick call (`add`) for an error
@@ -31,12 +32,14 @@ class RouterCalls:
     placement: Placement
     recovery: Recovery
     actors: dict[str, Any]
+    traces: RouterTraces
 
     def _do(self, actions: list[Action]) -> None:
         """Make the calls the plain parts asked for, in order (their bookkeeping is done)."""
         loop = asyncio.get_event_loop()
         for a in actions:
             if isinstance(a, ToPrefill):
+                self.traces.placed("prefill", a.tracked, a.worker_id)
                 ref = self.actors[a.worker_id].add.remote(a.tracked.req)
                 loop.create_task(self._added(a.tracked, a.tracked.req, a.worker_id, ref))
             elif isinstance(a, RunWhole):
@@ -45,9 +48,12 @@ class RouterCalls:
                     backup = BackupTo(a.backup.worker_id, self.actors[a.backup.worker_id], a.backup.first_block)
                 if a.fetch is not None:
                     fetch = FetchFrom(a.fetch.worker_id, self.actors[a.fetch.worker_id], a.fetch.num_tokens)
+                self.traces.placed("whole", a.tracked, a.worker.worker_id,
+                                   fetch_tokens=a.fetch.num_tokens if a.fetch else None)
                 ref = self.actors[a.worker.worker_id].resume.remote(a.tracked.req, backup, fetch)
                 loop.create_task(self._resumed(a, ref))
             elif isinstance(a, AdmitKV):
+                self.traces.placed("admit", a.tracked, a.worker.worker_id, prefill_worker=a.prefill_worker_id)
                 ref = self.actors[a.worker.worker_id].admit.remote(a.tracked.req, a.tracked.handle,
                                                                    self.actors[a.prefill_worker_id])
                 loop.create_task(self._admitted(a, ref))

@@ -65,6 +65,7 @@ class WorkerView:
     reserved_prefill_tokens: int = 0  # decode: prompt tokens handed over to run here, not yet reported
     max_batch_seen: int = 0
     num_steps: int = 0
+    kv_pairs: dict[str, dict] = field(default_factory=dict)  # decode: its KV pairs, as last reported
 
     @property
     def takes_work(self) -> bool:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol, runtime_checkable
 
+from deployments import metrics, tracing
 from engine import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# The `pool` and `worker_id` tags of this layout's metrics (deployments/metrics.py): one engine that
+# both prefills and decodes.
+METRICS_POOL = "single"
 # An idle engine checks its KV cache's integrity this often (mini-sglang's habit: leaks show early).
 IDLE_CHECK_S = 1.0
 
@@ -146,24 +150,35 @@ class LocalEngineBackend:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
+        timer = metrics.RequestTimer()
+        t0 = time.time_ns()
+        rt = tracing.current()  # the door's trace of this request (None: tracing off)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine backend is shut down")
             if request_id in self._streams:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
             if self.max_num_requests is not None and len(self._streams) >= self.max_num_requests:
+                metrics.count_rejected()
                 raise QueueFullError(
                     f"{len(self._streams)} requests in flight (limit {self.max_num_requests}); retry later",
                     self.retry_after_s)
             if self.max_queued_requests is not None and \
                     (queued := len(self._streams) - self.engine.num_running) >= self.max_queued_requests:
                 # NOTE: num_running is read off the engine thread: a plain count, at worst one step old.
+                metrics.count_rejected()
                 raise QueueFullError(f"server busy: {queued} requests queued (max_queued_requests "
                                      f"{self.max_queued_requests}); retry later", self.retry_after_s)
             self._streams[request_id] = stream
+            if rt is not None:
+                tracing.stream_started()
             ids = list(prompt_token_ids)
             self.host.post(lambda eng: self._add(eng, request_id, ids, params, priority, cache_salt))
+        metrics.count_submitted()
         finished = False
+        finish_reason: str | None = None
+        num_cached: int | None = None
+        num_tokens = 0
         try:
             while not finished:
                 try:
@@ -175,6 +190,7 @@ class LocalEngineBackend:
                         async with asyncio.timeout(self.request_timeout_s):
                             item = await stream.queue.get()
                     except TimeoutError:
+                        finish_reason = "error"
                         yield TokenDelta([], True, "error",
                                          f"no progress for {self.request_timeout_s:g}s (request_timeout_s)",
                                          stream.num_prompt_tokens)
@@ -190,8 +206,21 @@ class LocalEngineBackend:
                         item.logprobs.extend(nxt.logprobs)
                     item.finished, item.finish_reason, item.error = nxt.finished, nxt.finish_reason, nxt.error
                 finished = item.finished
+                timer.tokens(len(item.token_ids))
+                num_tokens += len(item.token_ids)
+                if num_cached is None and item.token_ids:
+                    num_cached = item.num_cached_tokens
+                    if rt is not None:  # one engine computes it all: its queue and prefill end here
+                        now = time.time_ns()
+                        tracing.record("first_token", rt.span, now, now, {"cached_tokens": num_cached,
+                                                                         "ttft_ms": round((now - t0) / 1e6, 3)})
+                if finished:
+                    finish_reason = item.finish_reason
                 yield item
         finally:
+            timer.finish(finish_reason, stream.num_prompt_tokens, num_cached or 0)
+            if rt is not None:
+                tracing.stream_finished(t0, finish_reason, stream.num_prompt_tokens, num_tokens, num_cached or 0)
             if not finished:
                 self._abort_nowait(request_id)
 
@@ -265,8 +294,9 @@ class LocalEngineBackend:
             if stream is not None:
                 self._post(stream, e)
 
-    def _deliver_step(self, outputs: list, _stats: Any) -> None:
+    def _deliver_step(self, outputs: list, stats: Any) -> None:
         self._idle_since = None
+        self._record_metrics(stats)
         for out in outputs:
             self._deliver(out.request_id, TokenDelta(
                 list(out.new_token_ids), out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
@@ -313,8 +343,19 @@ class LocalEngineBackend:
             self.engine.abort(rid)
             self._post(stream, TokenDelta([], True, finish_reason, error, stream.num_prompt_tokens))
 
+    def _record_metrics(self, stats: Any | None) -> None:
+        """This layout's share of the Ray layouts' series (deployments/metrics.py): the engine's step
+        and load as a worker's, its queue as a pool's (pool and worker_id: METRICS_POOL)."""
+        eng = self.engine
+        metrics.set_pool_state(METRICS_POOL, eng.num_waiting, 1)
+        if stats is None:
+            metrics.record_load(METRICS_POOL, METRICS_POOL, eng)
+        else:
+            metrics.record_step(METRICS_POOL, METRICS_POOL, stats, eng)
+
     def _idle_check(self) -> None:
         """Once the engine has been idle for a second (and every second after), check its KV cache."""
+        self._record_metrics(None)
         now = time.monotonic()
         if self._idle_since is None or now - self._idle_since < IDLE_CHECK_S:
             self._idle_since = self._idle_since or now

@@ -14,6 +14,7 @@ the API key is checked by http_auth.py.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from deployments import tracing
 from deployments.frontend.backend import GenerateBackend
 from deployments.frontend.auth import bearer_matches
 from deployments.frontend.http_auth import BearerAuth
@@ -113,18 +115,37 @@ def _state(request: Request) -> IngressState:
 
 # ---------------------------------------------------------------------- routes
 async def _completions(request: Request) -> Response:
+    t0 = time.time_ns()
     body = await parse_body(request, CompletionRequest, _state(request).max_body_bytes)
-    return await _generate(request, body, chat=False)
+    return await _traced(request, body, False, t0)
 
 
 async def _chat_completions(request: Request) -> Response:
+    t0 = time.time_ns()
     body = await parse_body(request, ChatCompletionRequest, _state(request).max_body_bytes)
-    return await _generate(request, body, chat=True)
+    return await _traced(request, body, True, t0)
+
+
+async def _traced(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool,
+                  t0: int) -> Response:
+    """`_generate` inside the request's trace when tracing is on (deployments/tracing.py): the root span
+    starts when the body began to arrive, under the client's `traceparent` if it sent one."""
+    if not tracing.enabled():
+        return await _generate(request, body, chat)
+    rt = tracing.begin_request("request", request.headers, t0, {"http.route": request.url.path, "chat": chat,
+                                                               "stream": bool(body.stream)})
+    tracing.record("door.parse", rt.span, t0, attributes={"body_bytes": getattr(request.state, "body_bytes", None)})
+    try:
+        return await _generate(request, body, chat)
+    except BaseException as e:
+        tracing.end_request(rt, type(e).__name__)
+        raise
 
 
 async def _generate(request: Request, body: CompletionRequest | ChatCompletionRequest, chat: bool) -> Response:
     state = _state(request)
     backend, model = state.ready()
+    t_prepare = time.time_ns()
     try:
         model_name = model.check_name(body.model)
         if getattr(request.state, "body_bytes", 0) > INLINE_PARSE_BYTES:
@@ -139,6 +160,11 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     except InvalidRequestError as e:
         raise api_error(e) from None
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if (rt := tracing.current()) is not None:
+        rt.span.set_attribute("request_id", request_id)
+        tracing.record("door.prepare", rt.span, t_prepare, attributes={
+            "prompts": len(prepared), "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
+            "structured_output": any(p.params.structured is not None for p in prepared)})
     score_only = not chat and body.score_only
     stream = FanOut(backend, request_id, prepared, body.num_samples, model.tokenizer, score_only=score_only)
     echo = None if chat or not body.echo else [_echo_text(model, p) for p in prompts]

@@ -11,7 +11,7 @@ import logging
 import time
 from typing import Any, AsyncIterator
 
-from deployments import metrics
+from deployments import metrics, tracing
 from deployments.frontend.backend import QueueFullError, TokenDelta
 from deployments.cluster.messages import GenRequest, SubmitResult
 from deployments.frontend.stream_hub import LOST, StreamHub
@@ -52,12 +52,22 @@ class RouterBackend:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
         timer = metrics.RequestTimer()
-        queue = await self._submit(GenRequest(request_id, list(prompt_token_ids), params, self.hub_id, self.hub.address,
-                                              priority=priority, num_original_prompt_tokens=len(prompt_token_ids),
-                                              arrival_time=time.time(), cache_salt=cache_salt))
+        t0 = time.time_ns()
+        trace = tracing.stream_started()  # None unless tracing is on and the door traces this request
+        try:
+            queue = await self._submit(GenRequest(request_id, list(prompt_token_ids), params, self.hub_id,
+                                                  self.hub.address, priority=priority,
+                                                  num_original_prompt_tokens=len(prompt_token_ids),
+                                                  arrival_time=time.time(), cache_salt=cache_salt, trace=trace))
+        except BaseException as e:
+            if trace is not None:
+                tracing.stream_finished(t0, "rejected" if isinstance(e, QueueFullError) else "error",
+                                        len(prompt_token_ids), 0)
+            raise
         finished = False
         finish_reason = None
         num_cached: int | None = None  # the first prefill's prefix-cache hits (the first event with tokens)
+        num_tokens = 0
         last_event = time.monotonic()
         try:
             while not finished:
@@ -87,6 +97,7 @@ class RouterBackend:
                 for ev in events:
                     finished = ev.finished
                     timer.tokens(len(ev.token_ids))
+                    num_tokens += len(ev.token_ids)
                     if num_cached is None and ev.token_ids:
                         num_cached = ev.num_cached_tokens
                     if finished:
@@ -98,6 +109,8 @@ class RouterBackend:
                         break
         finally:
             timer.finish(finish_reason, len(prompt_token_ids), num_cached or 0)
+            if trace is not None:
+                tracing.stream_finished(t0, finish_reason, len(prompt_token_ids), num_tokens, num_cached or 0)
             self.hub.close(request_id)
             if not finished:
                 await self.abort(request_id)

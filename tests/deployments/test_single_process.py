@@ -10,6 +10,7 @@ tests/e2e/test_openai_parity.py ("single" there is `build_single_process_app`)."
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -214,6 +215,79 @@ def test_a_client_gone_mid_stream_frees_every_block_and_others_keep_streaming(se
     h = wait_for(health, lambda h: h["num_requests"] == 0 and h["num_running"] == 0, timeout_s=30,
                  what="the abandoned request is gone")
     assert h["num_free_blocks"] == h["num_blocks"] and h["status"] == "ok"
+
+
+def _exposed_series(text: str) -> set[str]:
+    """Every pdserve series a Prometheus scrape of `text` declares (`# TYPE` lines; a histogram's
+    `_bucket`, `_sum` and `_count`), whether or not it has samples yet."""
+    out = set()
+    for line in text.splitlines():
+        if line.startswith("# TYPE ") and "pdserve_" in line:
+            _, _, name, kind = line.split()
+            out |= {name + x for x in ("_bucket", "_sum", "_count")} if kind == "histogram" else {name}
+    return out
+
+
+def test_metrics_has_the_ray_layouts_series_behind_the_api_key():
+    """The single-process `/metrics` declares exactly the series the Ray layouts export (their set comes
+    from deployments/metrics.py's table, with Ray's `ray_` prefix), and asks for the key as /v1 does."""
+    from starlette.testclient import TestClient
+
+    from deployments import metrics
+    from deployments.frontend.http_app import build_openai_app
+    from deployments.local_server import add_metrics_route
+
+    metrics.use_local_registry()
+    app = build_openai_app(api_key="sekret")
+    add_metrics_route(app)
+    client = TestClient(app)
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"Authorization": "Bearer nope"}).status_code == 401
+    r = client.get("/metrics", headers={"Authorization": "Bearer sekret"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    expected = metrics.exported_series()
+    assert "ray_pdserve_time_to_first_token_seconds_bucket" in expected and len(expected) > 40
+    assert _exposed_series(r.text) == expected
+
+
+def test_metrics_move_with_a_request(served):
+    url, _, _ = served
+
+    def scrape() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("ray_pdserve_"):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    before = scrape()
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "The sky is", "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    after = scrape()
+    moved = {k for k, v in after.items() if v > before.get(k, 0.0)}
+    for name in ("ray_pdserve_requests_submitted_total", "ray_pdserve_requests_total",
+                 "ray_pdserve_generation_tokens_total", "ray_pdserve_prompt_tokens_total",
+                 "ray_pdserve_time_to_first_token_seconds_count", "ray_pdserve_e2e_request_latency_seconds_count",
+                 "ray_pdserve_step_seconds_count", "ray_pdserve_prefill_tokens_total",
+                 "ray_pdserve_decode_tokens_total"):
+        assert name in moved, (name, sorted(moved))
+    assert after["ray_pdserve_generation_tokens_total"] - before.get("ray_pdserve_generation_tokens_total", 0) == 5
+    assert "ray_pdserve_kv_cache_usage" in after and "ray_pdserve_pool_workers" in after
+
+
+def test_status_prints_the_single_engine(served, capsys):
+    url, _, _ = served
+    capsys.readouterr()
+    assert main(["status", "--url", url]) == 0
+    text = capsys.readouterr().out
+    assert f"pdserve at {url}" in text and "status ok" in text and "single process" in text
+    assert main(["status", "--url", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["status"] == "ok" and doc["num_blocks"] > 0
+    assert main(["status", "--url", "http://127.0.0.1:1"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
 
 
 def test_sigterm_stops_the_server_cleanly(served):

@@ -32,6 +32,8 @@ MOVED = [
     "pdserve_inter_token_latency_seconds_count", "pdserve_e2e_request_latency_seconds_count",
     "pdserve_requests_total", "pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
     "pdserve_pool_workers", "pdserve_prefix_cache_hit_tokens_total", "pdserve_prompt_tokens_cached_total",
+    "pdserve_kv_pair_transfers_total", "pdserve_kv_pair_bytes_total", "pdserve_kv_pair_probe_gbps",
+    "pdserve_kv_pair_live_gbps",
 ]
 # Gauges that only have to be there (they are back to 0 once the load is over).
 PRESENT = ["pdserve_queue_depth", "pdserve_running_seqs", "pdserve_waiting_seqs", "pdserve_kv_blocks_used",

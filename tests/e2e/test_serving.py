@@ -15,7 +15,7 @@ from ray import serve
 
 from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app
 from engine import EngineConfig, LLMEngine, SamplingParams
-from helpers import free_port, local_serve, run_offline, wait_finished, wait_no_leaks
+from helpers import free_port, local_serve, run_offline, wait_finished, wait_for, wait_no_leaks
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = [
@@ -232,3 +232,56 @@ def test_grpc_generate_streams_same_tokens(server, offline):
     assert "".join(c.text for c in chunks) == want
     assert len(chunks) > 1 and chunks[-1].finish_reason
     wait_no_leaks(router, timeout_s=20)
+
+
+def test_status_maps_pools_workers_and_kv_pairs_with_failures_by_cause(server, capsys):
+    """`pdserve status` against this disaggregated deployment: every worker with its node and device,
+    the queues, and each KV pair with its transport, probe and transfers; a pull refused because the
+    lease ended (injected: a real prefix lease released before the decode worker pulls it) shows in
+    /health and in the map as a failure by cause."""
+    from deployments.cli import main
+    from deployments.cluster.messages import GenRequest
+    from deployments.frontend.hub_wire import HubAddress
+
+    url, router, _ = server
+    ids = list(range(200, 264))  # 64 tokens: whole blocks the prefill worker keeps in its prefix cache
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    workers = ray.get(router.workers.remote())
+    decode_id = "pdserve-decode-0"
+    leased = [(wid, h) for wid in sorted(workers) if "prefill" in wid
+              if (h := ray.get(workers[wid].kv_lease_prefix.remote("ghost", ids, 64, None, decode_id)))]
+    assert leased, "the prompt's blocks are cached on a prefill worker"
+    src, handle = leased[0]
+    assert ray.get(workers[src].kv_release.remote(handle.request_id, handle.epoch))
+    req = GenRequest("ghost", ids, SamplingParams(max_tokens=1), "hub-none", HubAddress("127.0.0.1", 1, b"k"))
+    refused = ray.get(workers[decode_id].admit.remote(req, handle, workers[src]))
+    assert not refused.accepted and refused.retry and "LeaseExpiredError" in refused.reason
+
+    def pair() -> dict | None:
+        pairs = httpx.get(f"{url}/health", timeout=10).json()["router"]["kv_pairs"]
+        return next((p for p in pairs if (p["src"], p["dst"]) == (src, decode_id)), None)
+
+    p = wait_for(pair, lambda p: p is not None and p["failures"].get("lease_expired"), timeout_s=30,
+                 what="the refused pull in the router's view of the pair")
+    assert p["transport"] == "gloo" and p["probe_gbps"] > 0 and p["num_opens"] >= 1
+
+    capsys.readouterr()
+    assert main(["status", "--url", url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    router_doc = doc["router"]
+    assert {k: v["size"] for k, v in router_doc["pools"].items()} == {"prefill": 2, "decode": 2}
+    assert set(router_doc["queues"]) == {"prefill", "decode"}
+    for w in [*router_doc["prefill"].values(), *router_doc["decode"].values()]:
+        assert w["node_ip"] and w["device"] == "cpu" and w["num_blocks"] > 0
+    assert any(q["num_transfers"] > 0 and q["live_gbps"] > 0 for q in router_doc["kv_pairs"])
+
+    assert main(["status", "--url", url]) == 0
+    text = capsys.readouterr().out
+    for line in ("pools", "workers", "KV pairs", "pdserve-prefill-0", "pdserve-decode-1"):
+        assert line in text, text
+    row = next(line for line in text.splitlines() if f"{src} -> {decode_id}" in line)
+    assert "gloo" in row and "lease_expired" in row and "GB/s" in row, row
+    print(text)  # for the record: the map of a real disaggregated run (pytest -s shows it)
+    wait_no_leaks(router, timeout_s=30)

@@ -70,6 +70,9 @@ class Prefill:
     def kv_release(self, request_id, epoch):
         return self.kv_exporter.release(request_id, epoch)
 
+    def kv_probe(self, peer_id, nbytes):
+        return self.kv_exporter.probe(peer_id, nbytes)
+
 
 @ray.remote(num_cpus=1, max_concurrency=8)
 class Decode:
@@ -86,6 +89,9 @@ class Decode:
             KVLending(self.engine).add_prefilled_request(handle.request_id, prompt_ids, [handle.first_token], PARAMS,
                                               block_ids, handle.num_tokens)
         return len(block_ids)
+
+    def pairs(self):
+        return self.kv_importer.pairs.snapshot()
 
     def run(self):
         done = {}
@@ -200,3 +206,39 @@ def test_sender_killed_mid_transfer(cluster, decode):
         ray.get(ref, timeout=30)
     assert time.monotonic() - t0 < 10
     assert ray.get(decode.integrity.remote()) == 128
+
+
+def test_pair_book_counts_each_failure_by_cause(cluster, decode):
+    """The decode side's book of KV pairs (kv_transfer/pair_stats.py): a probe measured when each channel
+    opened, transfers and bytes, and failures by cause: leases that expired and a sender killed
+    mid-transfer, injected here on pairs of their own."""
+    p = Prefill.remote("p-cause", lease_s=0.5)
+    h, ids = ray.get(p.prefill.remote("c0", PROMPTS[3]))
+    assert ray.get(decode.pull.remote(h, ids, p)) == h.num_blocks  # opens (and probes) the channel
+    ray.get(decode.run.remote())
+    for i in (1, 2):
+        h, ids = ray.get(p.prefill.remote(f"c{i}", PROMPTS[3]))
+        time.sleep(0.6)
+        with pytest.raises(LeaseExpiredError):
+            ray.get(decode.pull.remote(h, ids, p))
+    killed = Prefill.remote("p-cause-kill", push_delay_s=1.0)
+    h2, ids2 = ray.get(killed.prefill.remote("c3", PROMPTS[7]))
+    ray.get(decode.pull.remote(*ray.get(killed.prefill.remote("c4", PROMPTS[2])), killed))  # channel open
+    ray.get(decode.run.remote())
+    ref = decode.pull.remote(h2, ids2, killed, 10.0)
+    time.sleep(0.5)
+    ray.kill(killed)
+    with pytest.raises(PeerDiedError):
+        ray.get(ref, timeout=30)
+
+    pairs = ray.get(decode.pairs.remote())
+    ok, gone = pairs["p-cause"], pairs["p-cause-kill"]
+    assert ok["src"] == "p-cause" and ok["dst"] == "d0" and ok["transport"] == "gloo"
+    assert ok["probe_gbps"] > 0 and ok["live_gbps"] > 0 and ok["num_opens"] == 1
+    assert ok["num_transfers"] == 1 and ok["num_bytes"] == h.nbytes
+    assert ok["failures"] == {"lease_expired": 2}
+    assert gone["failures"] == {"peer_gone": 1} and gone["num_transfers"] == 1
+    assert gone["last_failure"] == "PeerDiedError (peer_gone)"
+    assert ok["note"] is None  # CPU to CPU over gloo is all this hardware has
+    assert ray.get(decode.integrity.remote()) == 128
+    ray.kill(p)
