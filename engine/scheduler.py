@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.fair_share import FairClock, fair_order, has_tenants, pick_victim, running_order
 from engine.request import Request, RequestStatus
 
 
@@ -70,9 +71,11 @@ class Scheduler:
         self.draining = False
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache, all requests so far
+        self.fair_clock = FairClock()  # tenants' weighted fair queueing (engine/fair_share.py)
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
+        self.fair_clock.tag(request)
         self._insert_waiting(request)
 
     def add_running(self, request: Request) -> None:
@@ -179,7 +182,10 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         bm = self.block_manager
         scheduled_ids: set[int] = set()
-        self.running.sort(key=lambda r: r.sort_key)
+        if has_tenants(self.running):
+            self.running = running_order(self.running)  # lightest tenant first: the heaviest's are preempted
+        else:
+            self.running.sort(key=lambda r: r.sort_key)
         i = 0
         while i < len(self.running) and left.tokens > 0:
             req = self.running[i]
@@ -193,7 +199,7 @@ class Scheduler:
                 num_new = limit
             need = bm.blocks_for_tokens(req.num_computed_tokens + num_new) - len(req.block_table)
             while need > bm.num_free_blocks:
-                victim = self.running[-1]
+                victim = self._victim(i)
                 if id(victim) in scheduled_ids:
                     break
                 self._preempt(victim, out)
@@ -213,9 +219,19 @@ class Scheduler:
                 left.prefill -= num_new
             i += 1
 
+    def _victim(self, i: int) -> Request:
+        """Whom to preempt for `running[i]`: the last running request; with tenants, the newest of the
+        heaviest tenant among `running[i:]` (engine/fair_share.py), so a flood pays for itself."""
+        if not has_tenants(self.running):
+            return self.running[-1]
+        return pick_victim(self.running[i:], self.running)
+
     def _schedule_waiting(self, out: SchedulerOutput, left: _Budget) -> None:
-        """Waiting requests in order. Once an urgent prompt is in, only urgent ones follow it. A request
-        whose next uncached full block a running request is computing waits for it (shared prefill)."""
+        """Waiting requests in order (with tenants: weighted-fair order, engine/fair_share.py). Once an
+        urgent prompt is in, only urgent ones follow it. A request whose next uncached full block a
+        running request is computing waits for it (shared prefill)."""
+        if has_tenants(self.waiting):
+            self.waiting = fair_order(self.waiting)
         chunked = self.config.enable_chunked_prefill
         bm = self.block_manager
         urgent = any(c.request.urgent and c.num_new_tokens > 1 for c in out.chunks)
@@ -275,6 +291,7 @@ class Scheduler:
             req.block_table.extend(run or bm.allocate(need))
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self.fair_clock.started(req)
 
     def _next_uncached_key(self, req: Request, num_hits: int) -> bytes | None:
         """The key of the first full prompt block of `req` (starting from nothing) the prefix cache does

@@ -87,7 +87,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             try:
                 self.lending.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
                                                   req.params, block_ids, handle.num_tokens, priority=req.priority,
-                                                  cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output)
+                                                  cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output,
+                                                  tenant=req.tenant, tenant_weight=req.tenant_weight)
             except ValueError as exc:  # the engine refuses it: it cannot start anywhere (fails at once)
                 self.lending.free_blocks(block_ids)
                 return Admission(False, str(exc) or type(exc).__name__)
@@ -120,7 +121,8 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         arrival_time=engine_arrival(req), urgent=req.offset > 0,
-                                        cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output)
+                                        cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output,
+                                        tenant=req.tenant, tenant_weight=req.tenant_weight)
             except ValueError as exc:
                 logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
                 return Admission(False, str(exc) or type(exc).__name__)

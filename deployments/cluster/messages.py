@@ -48,6 +48,9 @@ class GenRequest:
     attempt: int = 0
     # Prefix-cache entries (and cache-aware placement) are shared only among requests of the same salt.
     cache_salt: str | None = None
+    # The API key's tenant and its weight: the engines' fair queueing (engine/fair_share.py).
+    tenant: str | None = None
+    tenant_weight: float = 1.0
 
     @property
     def num_resumed_output(self) -> int:

@@ -82,7 +82,8 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         prefill_only=True, arrival_time=engine_arrival(req),
                                         urgent=req.offset > 0, cache_salt=req.cache_salt,
-                                        num_resumed_output=req.num_resumed_output)
+                                        num_resumed_output=req.num_resumed_output, tenant=req.tenant,
+                                        tenant_weight=req.tenant_weight)
                 self.requests[req.request_id] = req
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])

@@ -84,10 +84,13 @@ class GenerateBackend(Protocol):
     `TextStream` also calls `abort` explicitly: `abort` of a request that is unknown (never submitted,
     or cancelled while submitting) or already finished is a no-op that leaves nothing behind.
     `cache_salt`: the request shares prefix-cache entries only with requests of the same salt.
+    `tenant` / `tenant_weight`: the API key's tenant and its share (frontend/tenants.py), for the
+    engines' fair queueing; passed only by a server with tenants.
     """
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]: ...
+                 priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
+                 tenant_weight: float = 1.0) -> AsyncIterator[TokenDelta]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -142,7 +145,8 @@ class LocalEngineBackend:
 
     # ------------------------------------------------------------------ GenerateBackend
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
+                       tenant_weight: float = 1.0) -> AsyncIterator[TokenDelta]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
         with self._cv:
             if self._closed:
@@ -160,7 +164,8 @@ class LocalEngineBackend:
                                      f"{self.max_queued_requests}); retry later", self.retry_after_s)
             self._streams[request_id] = stream
             ids = list(prompt_token_ids)
-            self.host.post(lambda eng: self._add(eng, request_id, ids, params, priority, cache_salt))
+            fair = dict(tenant=tenant, tenant_weight=tenant_weight)
+            self.host.post(lambda eng: self._add(eng, request_id, ids, params, priority, cache_salt, fair))
         finished = False
         try:
             while not finished:
@@ -250,13 +255,13 @@ class LocalEngineBackend:
 
     # ------------------------------------------------------------------ engine thread (HostHooks)
     def _add(self, eng: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             priority: int, cache_salt: str | None) -> None:
+             priority: int, cache_salt: str | None, fair: dict) -> None:
         with self._cv:
             live = request_id in self._streams
         if not live:
             return  # aborted before it reached the engine
         try:
-            eng.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+            eng.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt, **fair)
         except Exception as e:  # InvalidRequestError and friends: raised by generate()
             with self._cv:
                 stream = self._streams.pop(request_id, None)

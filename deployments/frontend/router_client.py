@@ -50,11 +50,13 @@ class RouterBackend:
         return queue
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
+                       tenant_weight: float = 1.0) -> AsyncIterator[TokenDelta]:
         timer = metrics.RequestTimer()
         queue = await self._submit(GenRequest(request_id, list(prompt_token_ids), params, self.hub_id, self.hub.address,
                                               priority=priority, num_original_prompt_tokens=len(prompt_token_ids),
-                                              arrival_time=time.time(), cache_salt=cache_salt))
+                                              arrival_time=time.time(), cache_salt=cache_salt, tenant=tenant,
+                                              tenant_weight=tenant_weight))
         finished = False
         finish_reason = None
         num_cached: int | None = None  # the first prefill's prefix-cache hits (the first event with tokens)

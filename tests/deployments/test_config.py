@@ -70,7 +70,8 @@ def test_kv_cache_dtype_reaches_every_engine_and_a_bad_one_is_a_clean_cli_error(
 SAMPLES = {"speculative_method": "ngram", "prefill_min_workers": 1, "decode_min_workers": 1, "num_prefill_workers": 2, "prefill_max_workers": 3,
            "decode_max_workers": 3, "ingress_max_replicas": 3, "dtype": "bfloat16", "kv_cache_dtype": "float16",
            "device": "cuda", "batching": "static", "num_threads": 2, "scheduling_policy": "priority",
-           "gpu_memory_utilization": 0.5, "ops_backend": "torch", "kv_cache_memory_mb": 4096}
+           "gpu_memory_utilization": 0.5, "ops_backend": "torch", "kv_cache_memory_mb": 4096,
+           "api_keys_file": "docs/examples/api_keys.json"}
 
 
 def _sample(s: Setting):
