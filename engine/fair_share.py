@@ -15,6 +15,10 @@ and preemption takes the newest request of the heaviest tenant among those not y
 the lowest priority class), so a flood pays for itself and an innocent tenant's request is not picked
 while the flooder holds more.
 
+When every sequence slot (`max_num_seqs`) is taken, the next waiting request in fair order takes one
+from the heaviest tenant when that evens the shares out (`slot_victim`): a flood that fills the batch
+cannot hold another tenant's request in the queue until one of its own ends.
+
 Requests without a tenant (`tenant=None`) are one tenant of weight 1. When no request in the engine
 has a tenant, the scheduler keeps its plain (priority, arrival) order and newest-first preemption.
 """
@@ -70,6 +74,24 @@ def running_order(running: list[Request]) -> list[Request]:
     weighted use first, then arrival. Preemption takes victims from the back, the heaviest tenant's."""
     use = weighted_use(running)
     return sorted(running, key=lambda r: (r.priority, use[r.tenant], r.arrival_time, r.arrival_seq))
+
+
+def slot_victim(head: Request, running: list[Request]) -> Request | None:
+    """When every sequence slot is taken and `head` is the next waiting request in fair order: the running
+    request to preempt so `head` can start (the heaviest tenant's newest), or None unless `head`'s tenant,
+    with `head`, would still hold less than the heaviest tenant holds now (weighted tokens). So a flood
+    that fills every slot gives one up to another tenant's request, and two tenants of one request each
+    never take a slot from each other in turn (neither holds less than the other with its request)."""
+    if head.urgent:
+        return None
+    use = weighted_use(running)
+    pool = [r for r in running if r.priority >= head.priority and r.tenant != head.tenant]
+    if not pool:
+        return None
+    heaviest = max(pool, key=lambda r: use[r.tenant]).tenant
+    victim = max((r for r in pool if r.tenant == heaviest), key=lambda r: (r.arrival_time, r.arrival_seq))
+    with_head = use[head.tenant] + head.token_cost / head.tenant_weight
+    return victim if with_head < use[heaviest] else None
 
 
 def pick_victim(candidates: list[Request], running: list[Request]) -> Request:

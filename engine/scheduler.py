@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.fair_share import FairClock, fair_order, has_tenants, pick_victim, running_order
+from engine.fair_share import FairClock, fair_order, has_tenants, pick_victim, running_order, slot_victim
 from engine.request import Request, RequestStatus
 
 
@@ -168,6 +168,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Prompt tokens (new prompts, later chunks, recomputes) have their own cap inside the budget.
         left = _Budget(budget, self.config.max_prefill_tokens_per_step or budget)
+        if self.config.batching == "continuous" and has_tenants(self.waiting):
+            self._make_room_for_fair_share(out)
         self._schedule_running(out, left)
         # Waiting requests and drafts only when this step did not have to preempt (then memory is the
         # bottleneck).
@@ -218,6 +220,16 @@ class Scheduler:
             if num_new > 1:
                 left.prefill -= num_new
             i += 1
+
+    def _make_room_for_fair_share(self, out: SchedulerOutput) -> None:
+        """With every sequence slot taken, the next waiting request in fair order takes one from the
+        heaviest tenant when that evens the shares out (engine/fair_share.py: `slot_victim`)."""
+        if len(self.running) < self.config.max_num_seqs:
+            return
+        self.waiting = fair_order(self.waiting)
+        victim = slot_victim(self.waiting[0], self.running)
+        if victim is not None:
+            self._preempt(victim, out)
 
     def _victim(self, i: int) -> Request:
         """Whom to preempt for `running[i]`: the last running request; with tenants, the newest of the

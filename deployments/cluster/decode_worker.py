@@ -63,10 +63,11 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self._since_report = (0, 0)  # (largest batch, preemptions) of the steps not reported yet
         self._start()
 
-    def _fail_all(self, message: str) -> None:
-        with self.lock:
-            self._backups.clear()  # their requests end here
-        EngineWorker._fail_all(self, message)
+    def _fail_all(self, message: str, only: list[str] | None = None) -> None:
+        with self.lock:  # their requests end here
+            for rid in list(self._backups) if only is None else only:
+                self._backups.pop(rid, None)
+        EngineWorker._fail_all(self, message, only)
 
     def admit(self, req: GenRequest, handle: KVHandle, prefill_actor: Any) -> Admission:
         """Fetch the KV from `prefill_actor` and join the running batch. Refused (the router re-prefills)

@@ -78,6 +78,40 @@ def test_weights_set_the_shares_of_the_queue(model_dir):
     assert "".join(r[0] for r in order) == "hlhhlhhlhlll", order
 
 
+def _slots_run(model_dir: str, tenants: bool) -> tuple[int, dict[str, list[int]], LLMEngine]:
+    """Two flood requests fill both slots; the innocent's arrives three steps later. Returns the steps
+    the innocent's waited for its first token, and the outputs."""
+    eng = _engine(model_dir, max_num_seqs=2, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    kw = (lambda t: dict(tenant=t)) if tenants else (lambda t: {})
+    for i in range(3):
+        eng.add_request(f"a{i}", [20 + i, 21, 22, 23, 24], params, **kw("flooder"))
+    for _ in range(3):
+        eng.step()
+    eng.add_request("b0", [30, 31, 32, 33], params, **kw("innocent"))
+    waited = 0
+    outs: dict[str, list[int]] = {}
+    first = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == "b0" and first is None and o.new_token_ids:
+                first = waited
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        waited += 1
+    eng.check_integrity()
+    return first, outs, eng
+
+
+def test_a_flood_that_fills_every_slot_gives_one_up_to_another_tenant(model_dir):
+    fair_wait, outs, eng = _slots_run(model_dir, tenants=True)
+    fcfs_wait, fcfs_outs, _ = _slots_run(model_dir, tenants=False)
+    assert fair_wait <= 1  # the step that frees its slot admits nothing new (it preempted); the next one does
+    assert fcfs_wait >= 25  # without tenants it waits for a flood request to end (30 tokens each)
+    assert outs == fcfs_outs  # preempted requests recompute: the same tokens
+    assert outs["b0"] == hf_greedy(eng.hf_model, [30, 31, 32, 33], 30, frozenset())
+
+
 def _preemption_run(model_dir: str, tenants: bool) -> tuple[list[str], dict[str, list[int]], LLMEngine]:
     # 20 blocks of 4 tokens: three requests of 12 + 24 tokens cannot all keep their KV to the end.
     eng = _engine(model_dir, num_kv_blocks=20, max_num_seqs=8, enable_prefix_caching=False)
