@@ -112,7 +112,8 @@ def build_grpc_app(args: dict | ServeConfig | None = None) -> serve.Application:
 
     cfg = _config(args)
     return GRPCIngress.options(ray_actor_options=cfg.ingress_actor_options(), **cfg.ingress_options()).bind(
-        functools.partial(_router_serving_state, cfg), api_key=cfg.api_key)
+        functools.partial(_router_serving_state, cfg), api_key=cfg.api_key, tenants_file=cfg.api_keys_file,
+        max_request_tokens=cfg.max_request_tokens)
 
 
 def build_app(args: dict | ServeConfig | None = None) -> serve.Application:

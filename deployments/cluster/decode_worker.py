@@ -15,6 +15,7 @@ from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, Fet
                                           WorkerSnapshot)
 from deployments.config import ServeConfig
 from engine import RequestOutput
+from engine.errors import refusal_text
 from kv_transfer import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                                                   tenant=req.tenant, tenant_weight=req.tenant_weight)
             except ValueError as exc:  # the engine refuses it: it cannot start anywhere (fails at once)
                 self.lending.free_blocks(block_ids)
-                return Admission(False, str(exc) or type(exc).__name__)
+                return Admission(False, refusal_text(exc))
             self.requests[req.request_id] = req
         self.host.wake()
         return Admission(True)
@@ -126,7 +127,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
                                         tenant=req.tenant, tenant_weight=req.tenant_weight)
             except ValueError as exc:
                 logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
-                return Admission(False, str(exc) or type(exc).__name__)
+                return Admission(False, refusal_text(exc))
             self.requests[req.request_id] = req
             if backup is not None:
                 self._backups[req.request_id] = backup

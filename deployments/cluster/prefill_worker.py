@@ -12,6 +12,7 @@ from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin
 from deployments.cluster.messages import GenRequest, LeasedKV, Role, StreamEvent, WorkerSnapshot
 from deployments.config import ServeConfig
 from engine import RequestOutput
+from engine.errors import refusal_text
 from kv_transfer import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                                         tenant_weight=req.tenant_weight)
                 self.requests[req.request_id] = req
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
-            self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
+            self._push([StreamEvent(req.request_id, req.offset, [], True, "error", refusal_text(exc))], [req])
             self.router.on_finished.remote(self.worker_id, req.request_id)
             return
         self.host.wake()

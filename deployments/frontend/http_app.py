@@ -31,9 +31,8 @@ from deployments.frontend.openai_protocol import APIError, ChatCompletionRequest
 from deployments.frontend.openai_responses import ModelCard, ModelList
 from deployments.frontend.fanout import FanOut
 from deployments.frontend.openai_choices import ChoiceFormatter, ChoiceOptions
-from deployments.frontend.prepare import (PreparedRequest, PromptInput, PromptKind, ServedModel, prepare,
-                                          prepare_off_loop)
-from deployments.frontend.tenants import Admission, Tenant, TenantBook
+from deployments.frontend.prepare import PromptInput, PromptKind, ServedModel, prepare, prepare_off_loop
+from deployments.frontend.tenants import Tenant, TenantBook, admit_call
 from engine import InvalidRequestError
 
 
@@ -162,7 +161,8 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
                         for p in prompts]
     except InvalidRequestError as e:
         raise api_error(e) from None
-    prepared, admission = _admit(state, getattr(request.state, "tenant", None), prepared, body.num_samples)
+    prepared, admission = admit_call(state.tenants, getattr(request.state, "tenant", None), prepared,
+                                     body.num_samples, state.max_request_tokens)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     score_only = not chat and body.score_only
     try:
@@ -177,22 +177,6 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
     opts = ResponseOptions(model=model_name, chat=chat, streaming=bool(body.stream),
                            include_usage=body.include_usage_in_stream, max_queue_wait_s=state.max_queue_wait_s)
     return await respond(request, stream, fmt, opts)
-
-
-def _admit(state: IngressState, tenant: Tenant | None, prepared: list[PreparedRequest],
-           n: int) -> tuple[list[PreparedRequest], Admission]:
-    """Count the call against the per-request cap and its tenant's share (429 when over it), and give
-    its requests the tenant's name, weight and prefix-cache scope."""
-    tokens = n * sum(len(p.prompt_token_ids) + p.params.max_tokens for p in prepared)
-    if state.max_request_tokens is not None and tokens > state.max_request_tokens:
-        raise APIError(400, f"this call asks for {tokens} tokens (prompts x n x (prompt + max_tokens)), more than "
-                            f"the server's max_request_tokens {state.max_request_tokens}: send fewer prompts, a "
-                            "smaller n or max_tokens", "invalid_request_error", param="max_tokens")
-    if tenant is None:
-        return prepared, Admission(None, None, 0, 0)
-    admission = state.tenants.admit(tenant, n * len(prepared), tokens)
-    return [p._replace(cache_salt=tenant.salt_for(p.cache_salt), tenant=tenant.name, tenant_weight=tenant.weight)
-            for p in prepared], admission
 
 
 def _prepare_body(model: ServedModel, body: CompletionRequest | ChatCompletionRequest, chat: bool):

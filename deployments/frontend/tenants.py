@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.frontend.openai_protocol import APIError
+from deployments.frontend.prepare import PreparedRequest
 
 MAX_NAME_CHARS = 64
 _FIELDS = {"name", "key", "key_env", "weight", "max_requests", "max_tokens", "requests_per_s", "burst",
@@ -174,6 +175,23 @@ class TenantBook:
             use = self._use[tenant.name]
             use.requests -= requests
             use.tokens -= tokens
+
+
+def admit_call(book: TenantBook | None, tenant: Tenant | None, prepared: list[PreparedRequest], n: int,
+               max_request_tokens: int | None) -> tuple[list[PreparedRequest], Admission]:
+    """Count one call (its prompts `prepared`, `n` samples each) against the per-call token cap (400
+    naming max_tokens) and its tenant's share (429), and give its requests the tenant's name, weight and
+    prefix-cache scope. Both doors call it; `Admission.release` when the call ends."""
+    tokens = n * sum(len(p.prompt_token_ids) + p.params.max_tokens for p in prepared)
+    if max_request_tokens is not None and tokens > max_request_tokens:
+        raise APIError(400, f"this call asks for {tokens} tokens (prompts x n x (prompt + max_tokens)), more than "
+                            f"the server's max_request_tokens {max_request_tokens}: send fewer prompts, a smaller "
+                            "n or max_tokens", "invalid_request_error", param="max_tokens")
+    if tenant is None or book is None:
+        return prepared, Admission(None, None, 0, 0)
+    admission = book.admit(tenant, n * len(prepared), tokens)
+    return [p._replace(cache_salt=tenant.salt_for(p.cache_salt), tenant=tenant.name, tenant_weight=tenant.weight)
+            for p in prepared], admission
 
 
 def _busy(message: str, retry_after_s: float = 1.0) -> APIError:

@@ -182,3 +182,45 @@ def test_a_connection_without_a_whole_head_is_closed(app):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+# ---------------------------------------------------------------------- the gRPC door
+class _Ctx:
+    def __init__(self, key: str | None):
+        self.metadata = [("authorization", f"Bearer {key}")] if key else []
+        self.code = None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        pass
+
+
+def test_tenant_keys_and_shares_at_the_grpc_door(engine, backend):
+    import grpc
+
+    from deployments.frontend.grpc import pdserve_pb2
+    from deployments.frontend.grpc_app import GenerationService, GRPCError, ServingState
+
+    book = _book()
+    service = GenerationService(ServingState(backend, engine.tokenizer, "tiny", engine.max_model_len,
+                                             engine.vocab_size, "fcfs"), None, book, 2000)
+
+    def call(key, **fields):
+        async def run():
+            return [c async for c in service.Generate(pdserve_pb2.GenerateRequest(**fields), _Ctx(key))]
+        try:
+            return asyncio.run(run())
+        except GRPCError as e:
+            return e
+
+    req = dict(prompt_token_ids=PROMPT, max_tokens=2, ignore_eos=True)
+    assert call(None, **req).code == grpc.StatusCode.UNAUTHENTICATED
+    assert call(ALICE, **req, n=3).code == grpc.StatusCode.RESOURCE_EXHAUSTED  # alice's max_requests is 2
+    assert call(ALICE, **req, n=2)[-1].usage.completion_tokens == 4
+    assert call(BOB, prompt_token_ids=PROMPT, max_tokens=500, n=4).code == grpc.StatusCode.INVALID_ARGUMENT
+    assert book.in_flight("alice") == (0, 0)

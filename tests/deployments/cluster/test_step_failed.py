@@ -52,3 +52,39 @@ def test_a_decode_worker_keeps_the_backups_of_the_requests_that_go_on():
     w._backups = {"r1": object(), "r3": object()}
     w._step_failed(RuntimeError("boom"))
     assert set(w._backups) == {"r3"} and set(w.requests) == {"r2", "r3"}
+
+
+# ---------------------------------------------------------------------- refusals reach the door as a 400
+def test_a_refusal_naming_a_field_reaches_the_door_as_it_is(parts):
+    from deployments.cluster.actions import EndStream
+    from deployments.cluster.state import Stage
+    from engine import InvalidRequestError
+    from engine.errors import parse_invalid_request, refusal_text
+
+    text = refusal_text(InvalidRequestError("response_format", "the grammar did not compile"))
+    t = parts.submit("r1", 8)
+    t.stage = Stage.ADMITTING
+    (end, *_) = parts.recovery.refused(t, "d0", text)
+    assert isinstance(end, EndStream)
+    refused = parse_invalid_request(end.event.error)
+    assert refused is not None and refused.field == "response_format"
+    # Anything else still names the worker (and the door shows a generic error: text_stream.py).
+    t2 = parts.submit("r2", 8)
+    (end2, *_) = parts.recovery.refused(t2, "d0", refusal_text(RuntimeError("internal")))
+    assert parse_invalid_request(end2.event.error) is None and "d0" in end2.event.error
+
+
+def test_the_pending_decode_queue_is_fair_across_tenants():
+    from deployments.cluster.placement import fair_pending
+    from deployments.cluster.state import Stage
+    from conftest import Parts
+
+    p = Parts(("p0", "d0"), prefix_aware_routing=False)
+    for i in range(6):
+        t = p.submit(f"a{i}", 32, arrival=float(i))
+        t.req.tenant, t.stage = "flooder", Stage.PENDING_DECODE
+        p.state.pending_decode.append(t.req.request_id)
+    t = p.submit("b0", 32, arrival=10.0)
+    t.req.tenant, t.stage = "innocent", Stage.PENDING_DECODE
+    p.state.pending_decode.append("b0")
+    assert fair_pending(p.state).index("b0") <= 1  # queued last, it goes first or second
