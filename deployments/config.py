@@ -154,7 +154,7 @@ class ServeConfig:
                                   default_doc="$PDSERVE_API_KEY on the command line, else none")
     api_keys_file: str | None = setting(
         None, "a JSON file of API keys, each a tenant with a name, weight, limits, rate and prefix-cache scope",
-        doc="See Tenants and fair shares in docs/guides/serving.md; with api_key too, that key stays valid "
+        doc="See docs/guides/tenants.md; with api_key too, that key stays valid "
             "(no tenant). Read by every ingress replica: on a multi-node cluster the path must exist on their nodes")
     max_request_tokens: int | None = setting(
         262144, "the most tokens one call may ask for: prompts x n x (prompt + max_tokens); more is a 400 "
