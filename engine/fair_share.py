@@ -17,7 +17,9 @@ while the flooder holds more.
 
 When every sequence slot (`max_num_seqs`) is taken, the next waiting request in fair order takes one
 from the heaviest tenant when that evens the shares out (`slot_victim`): a flood that fills the batch
-cannot hold another tenant's request in the queue until one of its own ends.
+cannot hold another tenant's request in the queue until one of its own ends. And while a heavier
+tenant's requests are still prefilling, up to half of a step's prompt budget is held back from their
+chunks for that next request (`Scheduler._fair_reserve`), so it starts in the step it is admitted.
 
 Requests without a tenant (`tenant=None`) are one tenant of weight 1. When no request in the engine
 has a tenant, the scheduler keeps its plain (priority, arrival) order and newest-first preemption.

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.fair_share import FairClock, fair_order, has_tenants, pick_victim, running_order, slot_victim
+from engine.fair_share import (FairClock, fair_order, has_tenants, pick_victim, running_order, slot_victim,
+                               weighted_use)
 from engine.request import Request, RequestStatus
 
 
@@ -168,12 +169,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Prompt tokens (new prompts, later chunks, recomputes) have their own cap inside the budget.
         left = _Budget(budget, self.config.max_prefill_tokens_per_step or budget)
+        reserve = 0
         if self.config.batching == "continuous" and has_tenants(self.waiting):
             self._make_room_for_fair_share(out)
+            reserve = self._fair_reserve(left.prefill)
+        slot_preemptions = len(out.preempted)
+        left.tokens, left.prefill = left.tokens - reserve, left.prefill - reserve
         self._schedule_running(out, left)
-        # Waiting requests and drafts only when this step did not have to preempt (then memory is the
-        # bottleneck).
-        if not out.preempted:
+        left.tokens, left.prefill = left.tokens + reserve, left.prefill + reserve
+        # Waiting requests and drafts only when this step did not have to preempt for blocks (then
+        # memory is the bottleneck); a slot taken for a fair share does not count.
+        if len(out.preempted) == slot_preemptions:
             self._schedule_waiting(out, left)
             if self.config.speculative_method != "off":
                 self._add_drafts(out, left)
@@ -230,6 +236,20 @@ class Scheduler:
         victim = slot_victim(self.waiting[0], self.running)
         if victim is not None:
             self._preempt(victim, out)
+
+    def _fair_reserve(self, prefill_budget: int) -> int:
+        """Prompt tokens held back from the running requests' chunks this step for the next waiting
+        request in fair order, when its tenant holds less than a tenant whose running request is still
+        prefilling: else a flood's long prompts, chunk after chunk, would take every step's prompt
+        budget before a waiting request is looked at. At most half the budget."""
+        if len(self.running) >= self.config.max_num_seqs or not self.waiting:
+            return 0
+        head = fair_order(self.waiting)[0]
+        use = weighted_use(self.running)
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if not any(use[r.tenant] > use[head.tenant] for r in prefilling):
+            return 0
+        return max(0, min(head.num_tokens - head.num_computed_tokens, prefill_budget // 2))
 
     def _victim(self, i: int) -> Request:
         """Whom to preempt for `running[i]`: the last running request; with tenants, the newest of the

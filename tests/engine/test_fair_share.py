@@ -112,6 +112,39 @@ def test_a_flood_that_fills_every_slot_gives_one_up_to_another_tenant(model_dir)
     assert outs["b0"] == hf_greedy(eng.hf_model, [30, 31, 32, 33], 30, frozenset())
 
 
+def _prefill_run(model_dir: str, tenants: bool) -> tuple[int, dict[str, list[int]], LLMEngine]:
+    """Three long flood prompts prefill in chunks of a 32-token budget; the innocent's short one arrives
+    after the first step. Returns the steps it waited for its first token, and the outputs."""
+    eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=32, enable_prefix_caching=False,
+                  enable_chunked_prefill=True)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    kw = (lambda t: dict(tenant=t)) if tenants else (lambda t: {})
+    rng = random.Random(2)
+    for i in range(3):
+        eng.add_request(f"a{i}", [rng.randrange(3, 200) for _ in range(100)], params, **kw("flooder"))
+    eng.step()
+    eng.add_request("b0", [40, 41, 42, 43, 44, 45, 46, 47], params, **kw("innocent"))
+    waited, first, outs = 0, None, {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == "b0" and first is None and o.new_token_ids:
+                first = waited
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        waited += 1
+    eng.check_integrity()
+    return first, outs, eng
+
+
+def test_a_short_prompt_starts_while_a_heavier_tenants_long_prompts_prefill(model_dir):
+    fair_wait, outs, eng = _prefill_run(model_dir, tenants=True)
+    fcfs_wait, fcfs_outs, _ = _prefill_run(model_dir, tenants=False)
+    assert fair_wait == 0  # part of the step's prompt budget was held back for it
+    assert fcfs_wait >= 5  # without tenants the flood's chunks take every step's budget first
+    assert outs == fcfs_outs
+    assert outs["b0"] == hf_greedy(eng.hf_model, [40, 41, 42, 43, 44, 45, 46, 47], 4, frozenset())
+
+
 def _preemption_run(model_dir: str, tenants: bool) -> tuple[list[str], dict[str, list[int]], LLMEngine]:
     # 20 blocks of 4 tokens: three requests of 12 + 24 tokens cannot all keep their KV to the end.
     eng = _engine(model_dir, num_kv_blocks=20, max_num_seqs=8, enable_prefix_caching=False)
