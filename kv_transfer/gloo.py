@@ -25,7 +25,9 @@ Who may join: the exporter's `listen` makes a random secret per pair and returns
 signs every value it writes to the rendezvous store (HMAC-SHA256 under the secret, over key and value)
 and refuses a value it reads without a valid signature, so a stranger who connects to the store can
 neither give rank 0 its own address nor learn where rank 0's device listens (tests/kv_transfer/
-test_gloo_listeners.py: a stranger's join fails and the pair's transfers fail with it).
+test_gloo_listeners.py: a stranger's join fails and the pair's transfers fail with it). A stranger
+can still spoil a pair's rendezvous (an unsigned value where the peer's belongs fails the pair, which
+the router then opens again): a denial of service, not a read; keep the KV ports to the cluster network.
 """
 
 from __future__ import annotations
