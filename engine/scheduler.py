@@ -18,6 +18,11 @@ from engine.fair_share import (FairClock, fair_order, has_tenants, pick_victim, 
 from engine.request import Request, RequestStatus
 
 
+# With tenants, while a lighter tenant has prompt work, heavier tenants' prompt tokens in a step are
+# capped to 1/HEAVY_PREFILL_SHARE of the prompt budget (together): `Scheduler._heavy_tenants`.
+HEAVY_PREFILL_SHARE = 8
+
+
 @dataclass(slots=True)
 class ScheduledChunk:
     request: Request
@@ -73,6 +78,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache, all requests so far
         self.fair_clock = FairClock()  # tenants' weighted fair queueing (engine/fair_share.py)
+        self._heavy: set[str | None] | None = None  # this step's capped tenants (`_heavy_tenants`)
+        self._heavy_left = 0
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -170,9 +177,13 @@ class Scheduler:
         # Prompt tokens (new prompts, later chunks, recomputes) have their own cap inside the budget.
         left = _Budget(budget, self.config.max_prefill_tokens_per_step or budget)
         reserve = 0
+        self._heavy = None
         if self.config.batching == "continuous" and has_tenants(self.waiting):
             self._make_room_for_fair_share(out)
             reserve = self._fair_reserve(left.prefill)
+        if self.config.batching == "continuous" and (has_tenants(self.running) or has_tenants(self.waiting)):
+            self._heavy = self._heavy_tenants()
+            self._heavy_left = max(self.block_manager.block_size, left.prefill // HEAVY_PREFILL_SHARE)
         slot_preemptions = len(out.preempted)
         left.tokens, left.prefill = left.tokens - reserve, left.prefill - reserve
         self._schedule_running(out, left)
@@ -200,6 +211,9 @@ class Scheduler:
             num_new = req.num_tokens - req.num_computed_tokens
             # A decode is one token; an urgent recompute's client is stalled: the token budget only.
             limit = left.tokens if num_new == 1 or req.urgent else min(left.tokens, left.prefill)
+            heavy = num_new > 1 and not req.urgent and self._heavy is not None and req.tenant in self._heavy
+            if heavy:
+                limit = min(limit, self._heavy_left)
             if num_new > limit:
                 if not chunked or limit <= 0:
                     i += 1
@@ -225,6 +239,8 @@ class Scheduler:
             left.tokens -= num_new
             if num_new > 1:
                 left.prefill -= num_new
+            if heavy:
+                self._heavy_left -= num_new
             i += 1
 
     def _make_room_for_fair_share(self, out: SchedulerOutput) -> None:
@@ -236,6 +252,22 @@ class Scheduler:
         victim = slot_victim(self.waiting[0], self.running)
         if victim is not None:
             self._preempt(victim, out)
+
+    def _heavy_tenants(self) -> set[str | None] | None:
+        """The tenants whose prompt tokens this step are capped (to 1/HEAVY_PREFILL_SHARE of the prompt
+        budget, together): while two or more tenants have prompt work (a running request still
+        prefilling, or the next waiting request in fair order), those using more than the lightest of
+        them. None: no cap. So a lighter tenant's prompt shares its step with a slice of the flood's,
+        not with a full budget of it: on a CPU a step's time grows with its tokens."""
+        prompt_work = {r.tenant for r in self.running if r.num_tokens - r.num_computed_tokens > 1}
+        if self.waiting:
+            prompt_work.add(fair_order(self.waiting)[0].tenant)
+        if len(prompt_work) < 2:
+            return None
+        use = weighted_use(self.running)
+        lightest = min(use[t] for t in prompt_work)
+        heavy = {t for t in prompt_work if use[t] > lightest}
+        return heavy or None
 
     def _fair_reserve(self, prefill_budget: int) -> int:
         """Prompt tokens held back from the running requests' chunks this step for the next waiting
@@ -289,6 +321,12 @@ class Scheduler:
             num_computed = req.num_computed_tokens + len(hits) * bm.block_size
             num_new = req.num_tokens - num_computed
             limit = left.tokens if req.urgent else min(left.tokens, left.prefill)
+            heavy = not req.urgent and self._heavy is not None and req.tenant in self._heavy
+            if heavy:
+                limit = min(limit, self._heavy_left)
+                if limit <= 0 or (num_new > limit and not chunked):
+                    i += 1
+                    continue
             if num_new > limit:
                 if not chunked:
                     break
@@ -304,6 +342,8 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, num_new, samples))
             left.tokens -= num_new
             left.prefill -= num_new
+            if heavy:
+                self._heavy_left -= num_new
 
     def _admit(self, req: Request, hits: list[int], num_computed: int, need: int) -> None:
         """Move `req` from waiting to running with its cached blocks `hits` and `need` new ones."""
