@@ -196,3 +196,32 @@ def test_the_suffix_speculators_shared_state_stays_within_its_scope():
     assert p.propose("b", [1, 2, 50, 51], 3, scope="tenant:alice") == [52, 53, 54]
     assert p.propose("c", [1, 2, 50, 51], 3, scope="tenant:bob") == []
     assert p.propose("d", [1, 2, 50, 51], 3) == []  # unscoped requests learn nothing from alice's either
+
+
+def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prompt_work(model_dir):
+    """The step that computes the innocent's prompt carries at most an eighth of the prompt budget of the
+    flood's prompts (the budget is 64: 8 tokens), not the rest of the budget."""
+    eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    steps = []
+    schedule = eng.scheduler.schedule
+
+    def record():
+        out = schedule()
+        steps.append([(c.request.request_id, c.num_new_tokens) for c in out.chunks])
+        return out
+
+    eng.scheduler.schedule = record
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    rng = random.Random(3)
+    for i in range(3):
+        eng.add_request(f"a{i}", [rng.randrange(3, 200) for _ in range(100)], params, tenant="flooder")
+    eng.step()
+    eng.add_request("b0", [40, 41, 42, 43, 44, 45], params, tenant="innocent")
+    eng.step()
+    with_innocent = dict(steps[-1])
+    assert with_innocent.get("b0") == 6
+    assert sum(n for rid, n in with_innocent.items() if rid != "b0" and n > 1) <= 64 // 8
+    assert sum(n for rid, n in dict(steps[0]).items()) == 64  # alone, the flood takes the whole budget
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_integrity()
