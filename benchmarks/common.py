@@ -201,9 +201,9 @@ def bench_url(cfg: BenchConfig, url: str, warmup: int) -> dict:
 
 
 @contextlib.contextmanager
-def engine_http_server(config: EngineConfig, start_timeout_s: float = 30.0) -> Iterator[str]:
+def engine_http_server(config: EngineConfig, start_timeout_s: float = 30.0, **app_kwargs) -> Iterator[str]:
     """An `LLMEngine` behind the OpenAI HTTP app (`LocalEngineBackend`), served by uvicorn in a thread
-    of this process; yields the base URL. On exit the server and the engine go, and their memory with
+    of this process; yields the base URL. `app_kwargs` go to `build_openai_app` (api_key, tenants...). On exit the server and the engine go, and their memory with
     them before the next row starts."""
     import uvicorn
 
@@ -212,7 +212,7 @@ def engine_http_server(config: EngineConfig, start_timeout_s: float = 30.0) -> I
 
     engine = LLMEngine(config)
     backend = LocalEngineBackend(engine)
-    app = build_openai_app(backend, engine.tokenizer, MODEL_NAME, engine.max_model_len)
+    app = build_openai_app(backend, engine.tokenizer, MODEL_NAME, engine.max_model_len, **app_kwargs)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound before the server starts: no race for the port
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

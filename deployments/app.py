@@ -82,7 +82,9 @@ class OpenAIIngress:
         set_schema_limits(schema_limits(cfg.engine))  # the door refuses what the engines would
         self._asgi = build_openai_app(self.backend, tokenizer, cfg.served_model_name, info.max_model_len,
                                       api_key=cfg.api_key, vocab_size=info.vocab_size,
-                                      scheduling_policy=cfg.engine.scheduling_policy)
+                                      scheduling_policy=cfg.engine.scheduling_policy, tenants=cfg.tenant_book(),
+                                      max_request_tokens=cfg.max_request_tokens)
+        self._asgi.state.pdserve.body_timeout_s = cfg.http_body_timeout_s
 
     def __serve_build_asgi_app__(self):
         # NOTE: built per replica after __init__, so the app holds this replica's backend and hub.
@@ -116,7 +118,8 @@ def build_grpc_app(args: dict | ServeConfig | None = None) -> serve.Application:
 
     cfg = _config(args)
     return GRPCIngress.options(ray_actor_options=cfg.ingress_actor_options(), **cfg.ingress_options()).bind(
-        functools.partial(_router_serving_state, cfg), api_key=cfg.api_key)
+        functools.partial(_router_serving_state, cfg), api_key=cfg.api_key, tenants_file=cfg.api_keys_file,
+        max_request_tokens=cfg.max_request_tokens)
 
 
 def build_app(args: dict | ServeConfig | None = None) -> serve.Application:

@@ -155,6 +155,26 @@ class ServeConfig:
                                             group="scaling")
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1/*",
                                   default_doc="$PDSERVE_API_KEY on the command line, else none")
+    api_keys_file: str | None = setting(
+        None, "a JSON file of API keys, each a tenant with a name, weight, limits, rate and prefix-cache scope",
+        doc="See docs/guides/tenants.md; with api_key too, that key stays valid "
+            "(no tenant). Read by every ingress replica: on a multi-node cluster the path must exist on their nodes")
+    max_request_tokens: int | None = setting(
+        262144, "the most tokens one call may ask for: prompts x n x (prompt + max_tokens); more is a 400 "
+                "(none: no cap)", doc="Bounds what one fan-out call can claim of the queue and the KV pool")
+    http_limit_concurrency: int | None = setting(
+        1024, "open HTTP connections (and requests) at most per HTTP server; more are answered 503 (none: no cap)",
+        doc="uvicorn's limit_concurrency, in the single-process layout; under Ray the ingress deployment's "
+            "max_ongoing_requests (1024 per replica) caps requests instead")
+    http_keepalive_timeout_s: float = setting(
+        5.0, "an idle keep-alive HTTP connection is closed after this long",
+        doc="Ray layouts started by `pdserve serve`: Serve's http_options keep_alive_timeout_s")
+    http_header_timeout_s: float = setting(
+        10.0, "a connection must send a whole request head (line and headers) within this long of connecting "
+              "or of its previous response, else it is closed",
+        doc="The single-process layout's server (deployments/http_limits.py); under Ray, Serve's proxy decides")
+    http_body_timeout_s: float = setting(
+        30.0, "a request body must arrive whole within this long of its headers, else 408", doc="Every layout")
     http_host: str = setting("127.0.0.1", "HTTP bind address (0.0.0.0 to expose it)",
                              doc="Under `serve run` / `serve deploy`, Serve's `http_options` decide instead")
     http_port: int = setting(8000, "HTTP port",
@@ -201,7 +221,8 @@ class ServeConfig:
             if getattr(self, name) < 0:
                 raise ServeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s", "ingress_target_ongoing_requests",
-                     "autoscale_interval_s", "client_check_s"):
+                     "autoscale_interval_s", "client_check_s", "http_keepalive_timeout_s", "http_header_timeout_s",
+                     "http_body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ServeConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.decode_max_prefill_tokens is not None and self.decode_max_prefill_tokens <= 0:
@@ -211,6 +232,11 @@ class ServeConfig:
             check_exporter(self.trace_exporter)
         except ValueError as e:
             raise ServeConfigError(str(e)) from None
+        for name in ("max_request_tokens", "http_limit_concurrency"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ServeConfigError(f"{name} must be >= 1 (or none), got {getattr(self, name)}")
+        if self.api_keys_file is not None:
+            self.tenant_book()  # a bad file fails here, naming the entry
         self._check_pool_bounds()
         self._check_resources()
         if self.ingress_replicas < 1 or self.ingress_max_replicas is not None and \
@@ -241,6 +267,17 @@ class ServeConfig:
             elif not (1 <= lo <= n <= hi):
                 raise ServeConfigError(f"need 1 <= {pool}_min_workers ({lo}) <= num_{pool}_workers ({n}) "
                                        f"<= {pool}_max_workers ({hi})")
+
+    def tenant_book(self):
+        """The tenants of `api_keys_file` (frontend/tenants.py), or None without one."""
+        if self.api_keys_file is None:
+            return None
+        from deployments.frontend.tenants import TenantBook, TenantFileError
+
+        try:
+            return TenantBook.from_file(self.api_keys_file)
+        except TenantFileError as e:
+            raise ServeConfigError(str(e)) from None
 
     @property
     def routes_by_prefix(self) -> bool:

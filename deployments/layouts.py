@@ -25,7 +25,9 @@ LAYOUT_SETTINGS = frozenset({"num_prefill_workers", "num_decode_workers", "num_t
 # Server settings (beyond every engine setting) that the single-process layout honours; every other
 # one is about Ray's pools, routing, autoscaling or ingress replicas.
 SINGLE_PROCESS_SETTINGS = frozenset({"model_name", "max_queued_requests", "request_timeout_s", "api_key",
-                                     "http_host", "http_port", "otlp_endpoint", "trace_exporter"})
+                                     "http_host", "http_port", "otlp_endpoint", "trace_exporter", "api_keys_file",
+                                     "max_request_tokens", "http_limit_concurrency", "http_keepalive_timeout_s",
+                                     "http_header_timeout_s", "http_body_timeout_s"})
 # /proc/cpuinfo flag -> the name printed; the first found wins. AMX tiles: 4-6x fp32's rate at
 # SmolLM2's shapes; AVX512-BF16 dot products (Zen 4, Cooper Lake): 2.0-2.3x (docs/guides/layouts.md).
 BF16_FLAGS = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"))

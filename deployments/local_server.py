@@ -63,7 +63,9 @@ def build_single_process_app(cfg: ServeConfig):
     set_schema_limits(schema_limits(cfg.engine))  # the door refuses what the engines would
     app = build_openai_app(backend, engine.tokenizer, cfg.served_model_name, engine.max_model_len,
                            api_key=cfg.api_key, vocab_size=engine.vocab_size,
-                           scheduling_policy=cfg.engine.scheduling_policy)
+                           scheduling_policy=cfg.engine.scheduling_policy, tenants=cfg.tenant_book(),
+                           max_request_tokens=cfg.max_request_tokens)
+    app.state.pdserve.body_timeout_s = cfg.http_body_timeout_s
     metrics.use_local_registry()
     add_metrics_route(app)
     tracing.configure(cfg.otlp_endpoint, cfg.trace_exporter, "pdserve")
@@ -94,6 +96,8 @@ def serve_single_process(cfg: ServeConfig) -> None:
 
     import uvicorn
 
+    from deployments.http_limits import uvicorn_limits
+
     t0 = time.perf_counter()
     threads = cfg.engine.num_threads or 1
     print(f"pdserve: loading {cfg.served_model_name} in this process ({threads} thread{'s' * (threads > 1)}) ...",
@@ -108,7 +112,7 @@ def serve_single_process(cfg: ServeConfig) -> None:
         sock.bind((cfg.http_host, cfg.http_port))
         sock.listen(2048)
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **uvicorn_limits(cfg)))
         print_ready(f"http://{cfg.http_host}:{cfg.http_port}", cfg.served_model_name, time.perf_counter() - t0)
         # NOTE: uvicorn turns SIGINT / SIGTERM into a graceful stop, then raises the signal again
         # against the handlers it found: these, so the engine is stopped below rather than the

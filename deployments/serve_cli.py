@@ -261,7 +261,8 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> bool:
         needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
         ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False)
         print(f"pdserve: Ray at {ray_access_line()}", flush=True)
-    serve.start(http_options={"host": cfg.http_host, "port": proxy_port},
+    serve.start(http_options={"host": cfg.http_host, "port": proxy_port,
+                              "keep_alive_timeout_s": cfg.http_keepalive_timeout_s},
                 grpc_options=grpc_options(launch.grpc_port) if launch.grpc_port else None)
     t0 = time.perf_counter()
     print(f"pdserve: starting the workers for {cfg.served_model_name} ...", flush=True)

@@ -29,6 +29,15 @@ def invalid_request_text(field: str, message: str) -> str:
     return f"{_INVALID_PREFIX}{field}: {message}"
 
 
+def refusal_text(exc: BaseException) -> str:
+    """What a worker sends on about a request its engine refused: an `invalid_request_text` for an
+    `InvalidRequestError` (the door answers 400 naming the field), else the exception's own text (the
+    door logs that and shows a generic error)."""
+    if isinstance(exc, InvalidRequestError):
+        return invalid_request_text(exc.field, exc.message)
+    return str(exc) or type(exc).__name__
+
+
 def parse_invalid_request(error: str | None) -> InvalidRequestError | None:
     """The InvalidRequestError an `invalid_request_text` carries; None for any other error text."""
     if not error or not error.startswith(_INVALID_PREFIX):

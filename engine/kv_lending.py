@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 
 from engine.llm_engine import _resumed_tail
-from engine.sampling_params import check_cache_salt
+from engine.sampling_params import check_cache_salt, check_tenant
 from engine.request import Request, RequestStatus, extend_block_keys
 from engine.sampling_params import SamplingParams
 
@@ -97,15 +97,17 @@ class KVLending:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                               params: SamplingParams, block_ids: list[int], num_computed_tokens: int,
-                              priority: int = 0, cache_salt: str | None = None, num_resumed_output: int = 0) -> None:
+                              priority: int = 0, cache_salt: str | None = None, num_resumed_output: int = 0,
+                              tenant: str | None = None, tenant_weight: float = 1.0) -> None:
         """Resume decoding a request whose first `num_computed_tokens` tokens of KV are already in
         `block_ids` (allocated with `allocate_blocks`). The engine owns the blocks from now on. A grammar
         continues after `output_token_ids`; prompt logprobs are not computed again (they came with it)."""
         check_cache_salt(cache_salt)
+        check_tenant(tenant, tenant_weight)
         resumed = _resumed_tail(prompt_token_ids, num_resumed_output)
         req = Request(request_id, list(prompt_token_ids), params, priority=priority,
                       sample_seed=self.engine._new_sample_seed(params), cache_salt=cache_salt, prompt_logprobs_sent=True,
-                      num_resumed_output=len(resumed))
+                      num_resumed_output=len(resumed), tenant=tenant, tenant_weight=float(tenant_weight))
         req.output_token_ids = list(output_token_ids)
         req.block_table = list(block_ids)
         req.num_computed_tokens = num_computed_tokens

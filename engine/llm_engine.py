@@ -22,7 +22,7 @@ from engine.request import Request, RequestOutput, RequestStatus
 from engine.device_sampler import sample_on_device
 from engine.sampler import SampleResult
 from engine.stop_strings import hit_stop_string
-from engine.sampling_params import SamplingParams, check_cache_salt
+from engine.sampling_params import SamplingParams, check_cache_salt, check_tenant
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec.speculator import Speculator, SpecStats
 from engine.structured import GrammarCache, GrammarJob
@@ -158,7 +158,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     priority: int = 0, prefill_only: bool = False, arrival_time: float | None = None,
-                    urgent: bool = False, cache_salt: str | None = None, num_resumed_output: int = 0) -> None:
+                    urgent: bool = False, cache_salt: str | None = None, num_resumed_output: int = 0,
+                    tenant: str | None = None, tenant_weight: float = 1.0) -> None:
         """Queue a request. `prefill_only`: stop after the first token and keep the KV blocks for
         export (disaggregated prefill); release them with `release_prefilled`. Within a priority,
         requests run in order of `arrival_time` (`time.monotonic()` clock; default now): a request
@@ -168,6 +169,8 @@ class LLMEngine:
         `cache_salt`: this request shares prefix-cache entries only with requests of the same salt.
         `num_resumed_output`: the prompt ends with this many tokens the request generated before it
         moved here (its grammar and output penalties continue after them).
+        `tenant` / `tenant_weight`: who sent it and that tenant's share; with tenants the scheduler
+        orders the queue by weighted fair queueing and preempts the heaviest tenant (engine/fair_share.py).
         `priority` (lower runs first) only under `scheduling_policy="priority"`; under "fcfs" a
         non-zero one is refused rather than ignored."""
         params = params if params is not None else SamplingParams()
@@ -180,10 +183,11 @@ class LLMEngine:
         self._validate(request_id, prompt_ids, params)
         params.check_token_ids(self.vocab_size)
         check_cache_salt(cache_salt)
+        check_tenant(tenant, tenant_weight)
         resumed = _resumed_tail(prompt_ids, num_resumed_output)
         req = Request(request_id, prompt_ids, params, priority=priority, prefill_only=prefill_only,
                       urgent=urgent, sample_seed=self._new_sample_seed(params), cache_salt=cache_salt,
-                      num_resumed_output=len(resumed))
+                      num_resumed_output=len(resumed), tenant=tenant, tenant_weight=float(tenant_weight))
         if arrival_time is not None:
             req.arrival_time = min(arrival_time, req.arrival_time)
         self.admit_with_grammar(req, resumed, self.scheduler.add)

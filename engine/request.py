@@ -119,6 +119,18 @@ class Request:
     # this request's own earlier output. Its grammar continues after them and the output penalties
     # (frequency, presence) count them, so a move changes nothing the client can see.
     num_resumed_output: int = 0
+    # Fair shares: the tenant (API key) that sent it and that tenant's weight. With tenants set the
+    # scheduler orders waiting requests by each tenant's weighted use and preempts from the heaviest
+    # tenant (engine/fair_share.py); None: one tenant, plain (priority, arrival) order.
+    tenant: str | None = None
+    tenant_weight: float = 1.0
+    fair_start: float | None = None  # its weighted-fair-queueing tags, set when first queued
+    fair_finish: float | None = None
+
+    @property
+    def token_cost(self) -> int:
+        """What it asks of the KV cache at most: its prompt and all the output it may still add."""
+        return len(self.prompt_token_ids) + max(0, self.params.max_tokens - len(self.output_token_ids))
 
     def full_block_keys(self, num_blocks: int, block_size: int) -> list[BlockKey]:
         """The prefix-cache keys of this request's first `num_blocks` full blocks (computed once)."""

@@ -171,3 +171,11 @@ def check_cache_salt(cache_salt: str | None) -> None:
     again by the engine that runs it)."""
     if cache_salt is not None and (not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS):
         raise InvalidRequestError("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+
+
+def check_tenant(tenant: str | None, weight: float) -> None:
+    """A request's tenant (its API key's name) and that tenant's weight in the fair queueing."""
+    if tenant is not None and (not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_CACHE_SALT_CHARS):
+        raise InvalidRequestError("tenant", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+        raise InvalidRequestError("tenant_weight", f"must be a positive finite number, got {weight!r}")

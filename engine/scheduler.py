@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.fair_share import (FairClock, fair_order, has_tenants, pick_victim, running_order, slot_victim,
+                               weighted_use)
 from engine.request import Request, RequestStatus
+
+
+# With tenants, while a lighter tenant has prompt work, heavier tenants' prompt tokens in a step are
+# capped to 1/HEAVY_PREFILL_SHARE of the prompt budget (together): `Scheduler._heavy_tenants`.
+HEAVY_PREFILL_SHARE = 8
 
 
 @dataclass(slots=True)
@@ -70,9 +77,13 @@ class Scheduler:
         self.draining = False
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache, all requests so far
+        self.fair_clock = FairClock()  # tenants' weighted fair queueing (engine/fair_share.py)
+        self._heavy: set[str | None] | None = None  # this step's capped tenants (`_heavy_tenants`)
+        self._heavy_left = 0
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
+        self.fair_clock.tag(request)
         self._insert_waiting(request)
 
     def add_running(self, request: Request) -> None:
@@ -165,10 +176,21 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Prompt tokens (new prompts, later chunks, recomputes) have their own cap inside the budget.
         left = _Budget(budget, self.config.max_prefill_tokens_per_step or budget)
+        reserve = 0
+        self._heavy = None
+        if self.config.batching == "continuous" and has_tenants(self.waiting):
+            self._make_room_for_fair_share(out)
+            reserve = self._fair_reserve(left.prefill)
+        if self.config.batching == "continuous" and (has_tenants(self.running) or has_tenants(self.waiting)):
+            self._heavy = self._heavy_tenants()
+            self._heavy_left = max(self.block_manager.block_size, left.prefill // HEAVY_PREFILL_SHARE)
+        slot_preemptions = len(out.preempted)
+        left.tokens, left.prefill = left.tokens - reserve, left.prefill - reserve
         self._schedule_running(out, left)
-        # Waiting requests and drafts only when this step did not have to preempt (then memory is the
-        # bottleneck).
-        if not out.preempted:
+        left.tokens, left.prefill = left.tokens + reserve, left.prefill + reserve
+        # Waiting requests and drafts only when this step did not have to preempt for blocks (then
+        # memory is the bottleneck); a slot taken for a fair share does not count.
+        if len(out.preempted) == slot_preemptions:
             self._schedule_waiting(out, left)
             if self.config.speculative_method != "off":
                 self._add_drafts(out, left)
@@ -179,13 +201,19 @@ class Scheduler:
         chunked = self.config.enable_chunked_prefill
         bm = self.block_manager
         scheduled_ids: set[int] = set()
-        self.running.sort(key=lambda r: r.sort_key)
+        if has_tenants(self.running):
+            self.running = running_order(self.running)  # lightest tenant first: the heaviest's are preempted
+        else:
+            self.running.sort(key=lambda r: r.sort_key)
         i = 0
         while i < len(self.running) and left.tokens > 0:
             req = self.running[i]
             num_new = req.num_tokens - req.num_computed_tokens
             # A decode is one token; an urgent recompute's client is stalled: the token budget only.
             limit = left.tokens if num_new == 1 or req.urgent else min(left.tokens, left.prefill)
+            heavy = num_new > 1 and not req.urgent and self._heavy is not None and req.tenant in self._heavy
+            if heavy:
+                limit = min(limit, self._heavy_left)
             if num_new > limit:
                 if not chunked or limit <= 0:
                     i += 1
@@ -193,7 +221,7 @@ class Scheduler:
                 num_new = limit
             need = bm.blocks_for_tokens(req.num_computed_tokens + num_new) - len(req.block_table)
             while need > bm.num_free_blocks:
-                victim = self.running[-1]
+                victim = self._victim(i)
                 if id(victim) in scheduled_ids:
                     break
                 self._preempt(victim, out)
@@ -211,11 +239,63 @@ class Scheduler:
             left.tokens -= num_new
             if num_new > 1:
                 left.prefill -= num_new
+            if heavy:
+                self._heavy_left -= num_new
             i += 1
 
+    def _make_room_for_fair_share(self, out: SchedulerOutput) -> None:
+        """With every sequence slot taken, the next waiting request in fair order takes one from the
+        heaviest tenant when that evens the shares out (engine/fair_share.py: `slot_victim`)."""
+        if len(self.running) < self.config.max_num_seqs:
+            return
+        self.waiting = fair_order(self.waiting)
+        victim = slot_victim(self.waiting[0], self.running)
+        if victim is not None:
+            self._preempt(victim, out)
+
+    def _heavy_tenants(self) -> set[str | None] | None:
+        """The tenants whose prompt tokens this step are capped (to 1/HEAVY_PREFILL_SHARE of the prompt
+        budget, together): while two or more tenants have prompt work (a running request still
+        prefilling, or the next waiting request in fair order), those using more than the lightest of
+        them. None: no cap. So a lighter tenant's prompt shares its step with a slice of the flood's,
+        not with a full budget of it: on a CPU a step's time grows with its tokens."""
+        prompt_work = {r.tenant for r in self.running if r.num_tokens - r.num_computed_tokens > 1}
+        if self.waiting:
+            prompt_work.add(fair_order(self.waiting)[0].tenant)
+        if len(prompt_work) < 2:
+            return None
+        use = weighted_use(self.running)
+        lightest = min(use[t] for t in prompt_work)
+        heavy = {t for t in prompt_work if use[t] > lightest}
+        return heavy or None
+
+    def _fair_reserve(self, prefill_budget: int) -> int:
+        """Prompt tokens held back from the running requests' chunks this step for the next waiting
+        request in fair order, when its tenant holds less than a tenant whose running request is still
+        prefilling: else a flood's long prompts, chunk after chunk, would take every step's prompt
+        budget before a waiting request is looked at. At most half the budget."""
+        if len(self.running) >= self.config.max_num_seqs or not self.waiting:
+            return 0
+        head = fair_order(self.waiting)[0]
+        use = weighted_use(self.running)
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        if not any(use[r.tenant] > use[head.tenant] for r in prefilling):
+            return 0
+        return max(0, min(head.num_tokens - head.num_computed_tokens, prefill_budget // 2))
+
+    def _victim(self, i: int) -> Request:
+        """Whom to preempt for `running[i]`: the last running request; with tenants, the newest of the
+        heaviest tenant among `running[i:]` (engine/fair_share.py), so a flood pays for itself."""
+        if not has_tenants(self.running):
+            return self.running[-1]
+        return pick_victim(self.running[i:], self.running)
+
     def _schedule_waiting(self, out: SchedulerOutput, left: _Budget) -> None:
-        """Waiting requests in order. Once an urgent prompt is in, only urgent ones follow it. A request
-        whose next uncached full block a running request is computing waits for it (shared prefill)."""
+        """Waiting requests in order (with tenants: weighted-fair order, engine/fair_share.py). Once an
+        urgent prompt is in, only urgent ones follow it. A request whose next uncached full block a
+        running request is computing waits for it (shared prefill)."""
+        if has_tenants(self.waiting):
+            self.waiting = fair_order(self.waiting)
         chunked = self.config.enable_chunked_prefill
         bm = self.block_manager
         urgent = any(c.request.urgent and c.num_new_tokens > 1 for c in out.chunks)
@@ -241,6 +321,12 @@ class Scheduler:
             num_computed = req.num_computed_tokens + len(hits) * bm.block_size
             num_new = req.num_tokens - num_computed
             limit = left.tokens if req.urgent else min(left.tokens, left.prefill)
+            heavy = not req.urgent and self._heavy is not None and req.tenant in self._heavy
+            if heavy:
+                limit = min(limit, self._heavy_left)
+                if limit <= 0 or (num_new > limit and not chunked):
+                    i += 1
+                    continue
             if num_new > limit:
                 if not chunked:
                     break
@@ -256,6 +342,8 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(req, num_new, samples))
             left.tokens -= num_new
             left.prefill -= num_new
+            if heavy:
+                self._heavy_left -= num_new
 
     def _admit(self, req: Request, hits: list[int], num_computed: int, need: int) -> None:
         """Move `req` from waiting to running with its cached blocks `hits` and `need` new ones."""
@@ -275,6 +363,7 @@ class Scheduler:
             req.block_table.extend(run or bm.allocate(need))
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+        self.fair_clock.started(req)
 
     def _next_uncached_key(self, req: Request, num_hits: int) -> bytes | None:
         """The key of the first full prompt block of `req` (starting from nothing) the prefix cache does

@@ -19,14 +19,27 @@ What listens, and for how long (checked with `ss -ltn` on torch 2.13, tests/kv_t
   `_DroppableStore` whose inner store is let go), and the group never uses it again.
 - each rank's gloo device, bound to `host` (`create_device(hostname=host)`), until the channel
   closes (`close` aborts the group and drops it, which closes the device's socket).
+
+Who may join: the exporter's `listen` makes a random secret per pair and returns it in the address
+(`GlooAddress`), which reaches the importer only inside a Ray call (the router hands it on). Each rank
+signs every value it writes to the rendezvous store (HMAC-SHA256 under the secret, over key and value)
+and refuses a value it reads without a valid signature, so a stranger who connects to the store can
+neither give rank 0 its own address nor learn where rank 0's device listens (tests/kv_transfer/
+test_gloo_listeners.py: a stranger's join fails and the pair's transfers fail with it). A stranger
+can still spoil a pair's rendezvous (an unsigned value where the peer's belongs fails the pair, which
+the router then opens again): a denial of service, not a read; keep the KV ports to the cluster network.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import logging
+import secrets
 import socket
 import threading
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,13 +53,29 @@ logger = logging.getLogger(__name__)
 JOINED_KEY = "pdserve-kv-joined"  # set by rank 1 once its group is formed: rank 0 may drop the store
 
 
+_MAC_BYTES = 32
+
+
+class GlooAddress(NamedTuple):
+    """Where the importer joins a pair (`connect`), and the pair's secret."""
+
+    host: str
+    port: int
+    secret: bytes
+
+
 class _DroppableStore(dist.Store):
     """What the group gets instead of the TCP store itself: once the group is formed, `drop` lets go of
-    the store, so that it is destroyed (and the master's listener closed) although the group lives on."""
+    the store, so that it is destroyed (and the master's listener closed) although the group lives on.
+    Values are signed under the pair's `secret` on `set` and checked on `get` (see the module doc)."""
 
-    def __init__(self, inner: dist.Store):
+    def __init__(self, inner: dist.Store, secret: bytes):
         super().__init__()
         self._inner: dist.Store | None = inner
+        self._secret = secret
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.new(self._secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
 
     def _store(self) -> dist.Store:
         if self._inner is None:
@@ -57,10 +86,16 @@ class _DroppableStore(dist.Store):
         self._inner = None
 
     def set(self, key, value):
-        return self._store().set(key, value)
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        return self._store().set(key, value + self._mac(key, value))
 
     def get(self, key):
-        return self._store().get(key)
+        raw = bytes(self._store().get(key))
+        value, mac = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
+        if len(raw) < _MAC_BYTES or not hmac.compare_digest(mac, self._mac(key, value)):
+            raise PermissionError(f"the rendezvous store's {key!r} is not signed with this pair's secret: "
+                                  "someone else joined")
+        return value
 
     def add(self, key, value):
         return self._store().add(key, value)
@@ -117,10 +152,10 @@ class _GlooPending:
 
 
 class GlooChannel(Channel):
-    def __init__(self, peer: str, rank: int, store: dist.Store, timeout_s: float):
+    def __init__(self, peer: str, rank: int, store: dist.Store, timeout_s: float, secret: bytes):
         super().__init__(peer)
         self.rank = rank
-        self.store: _DroppableStore | None = _DroppableStore(store)  # until the group is formed
+        self.store: _DroppableStore | None = _DroppableStore(store, secret)  # until the group is formed
         self.timeout_s = timeout_s
         self._pg: dist.ProcessGroupGloo | None = None
         self._ready = threading.Event()
@@ -212,29 +247,31 @@ class GlooTransport(Transport):
         self.host = host
         self.timeout_s = timeout_s
 
-    def listen(self, peer: str) -> tuple[str, int]:
-        """Host a new channel to `peer` (rank 0) and return the (host, port) it must `connect` to.
+    def listen(self, peer: str) -> GlooAddress:
+        """Host a new channel to `peer` (rank 0) and return the address it must `connect` to: (host,
+        port, the pair's secret). Hand it to `peer` only over an authenticated path (a Ray call).
 
         Replaces any existing channel to `peer`; the group forms in the background once it joins.
         """
         store = _master_store(self.host, self.timeout_s)
         port = store.port
-        ch = GlooChannel(peer, 0, store, self.timeout_s)
+        secret = secrets.token_bytes(32)
+        ch = GlooChannel(peer, 0, store, self.timeout_s, secret)
         del store  # the channel holds it until the group is formed
         threading.Thread(target=ch._rendezvous, args=(self.host,), daemon=True,
                          name=f"gloo-listen-{peer}").start()
         self._add(ch)
-        return self.host, port
+        return GlooAddress(self.host, port, secret)
 
-    def connect(self, peer: str, address: tuple[str, int]) -> None:
-        """Join the channel `peer` is hosting at `address` = (host, port), as rank 1; blocks until it
+    def connect(self, peer: str, address: GlooAddress) -> None:
+        """Join the channel `peer` is hosting at `address` (`listen`'s), as rank 1; blocks until it
         is formed."""
-        host, port = address
+        host, port, secret = address
         try:
             store = dist.TCPStore(host, port, 2, False, timeout=_td(self.timeout_s))
         except Exception as e:
             raise _typed(e, f"connect to {peer!r} at {host}:{port}") from e
-        ch = GlooChannel(peer, 1, store, self.timeout_s)
+        ch = GlooChannel(peer, 1, store, self.timeout_s, secret)
         del store
         ch._rendezvous(self.host)
         ch._group()

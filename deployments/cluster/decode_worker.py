@@ -15,6 +15,7 @@ from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, Fet
                                           WorkerSnapshot)
 from deployments.config import ServeConfig
 from engine import RequestOutput
+from engine.errors import refusal_text
 from kv_transfer import KVHandle, KVTransferError
 from kv_transfer.pair_stats import cause_of
 
@@ -65,10 +66,11 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self._since_report = (0, 0)  # (largest batch, preemptions) of the steps not reported yet
         self._start()
 
-    def _fail_all(self, message: str) -> None:
-        with self.lock:
-            self._backups.clear()  # their requests end here
-        EngineWorker._fail_all(self, message)
+    def _fail_all(self, message: str, only: list[str] | None = None) -> None:
+        with self.lock:  # their requests end here
+            for rid in list(self._backups) if only is None else only:
+                self._backups.pop(rid, None)
+        EngineWorker._fail_all(self, message, only)
 
     def admit(self, req: GenRequest, handle: KVHandle, prefill_actor: Any) -> Admission:
         """Fetch the KV from `prefill_actor` and join the running batch. Refused (the router re-prefills)
@@ -114,10 +116,11 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             try:
                 self.lending.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
                                                   req.params, block_ids, handle.num_tokens, priority=req.priority,
-                                                  cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output)
+                                                  cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output,
+                                                  tenant=req.tenant, tenant_weight=req.tenant_weight)
             except ValueError as exc:  # the engine refuses it: it cannot start anywhere (fails at once)
                 self.lending.free_blocks(block_ids)
-                return Admission(False, str(exc) or type(exc).__name__)
+                return Admission(False, refusal_text(exc))
             self.requests[req.request_id] = req
             self.traces.begin("decode", req, {"prompt_tokens": len(req.prompt_token_ids)})
         self.host.wake()
@@ -149,10 +152,11 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         arrival_time=engine_arrival(req), urgent=req.offset > 0,
-                                        cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output)
+                                        cache_salt=req.cache_salt, num_resumed_output=req.num_resumed_output,
+                                        tenant=req.tenant, tenant_weight=req.tenant_weight)
             except ValueError as exc:
                 logger.warning("%s: cannot run %s here: %s", self.worker_id, req.request_id, exc)
-                return Admission(False, str(exc) or type(exc).__name__)
+                return Admission(False, refusal_text(exc))
             self.requests[req.request_id] = req
             if req.trace is not None:
                 tracing.record("resume", req.trace, t0, attributes={

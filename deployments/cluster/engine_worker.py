@@ -289,8 +289,11 @@ class EngineWorker:
         self._after_step(outs, stats)
 
     def _step_failed(self, exc: BaseException) -> None:
-        # NOTE: the client sees a generic message; the exception text stays in the worker's log.
-        self._fail_all(f"generation failed: the {self.role.value} step failed ({type(exc).__name__})")
+        # NOTE: the client sees a generic message; the exception text stays in the worker's log. Only the
+        # requests the step held end (`LLMEngine.step_request_ids`; all of them if it failed before it
+        # scheduled), as in the single-process layout: the others keep going.
+        self._fail_all(f"generation failed: the {self.role.value} step failed ({type(exc).__name__})",
+                       self.engine.step_request_ids)
 
     def _exit_if_device_broken(self, exc: BaseException) -> None:
         """A sticky device error (a broken CUDA context) on a KV channel: exit the process, so the router
@@ -300,12 +303,13 @@ class EngineWorker:
                             self.worker_id, exc)
             os._exit(1)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, only: list[str] | None = None) -> None:
+        """End this worker's requests (those of `only` when given) with `message`."""
         with self.lock:
-            reqs = list(self.requests.values())
+            ids = list(self.requests) if only is None else [rid for rid in only if rid in self.requests]
+            reqs = [self.requests.pop(rid) for rid in ids]
             for r in reqs:
                 self.engine.abort(r.request_id)
-            self.requests.clear()
         self._push([StreamEvent(r.request_id, r.offset, [], True, "error", message) for r in reqs], reqs)
         for r in reqs:
             self.router.on_finished.remote(self.worker_id, r.request_id)

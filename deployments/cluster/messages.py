@@ -52,6 +52,9 @@ class GenRequest:
     cache_salt: str | None = None
     # The door's trace context (W3C `traceparent` carrier, deployments/tracing.py); None: not traced.
     trace: dict[str, str] | None = None
+    # The API key's tenant and its weight: the engines' fair queueing (engine/fair_share.py).
+    tenant: str | None = None
+    tenant_weight: float = 1.0
 
     @property
     def num_resumed_output(self) -> int:

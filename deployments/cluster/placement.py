@@ -241,6 +241,8 @@ class Placement:
         s.pending_decode = [r for r in s.pending_decode
                             if r in s.tracked and s.tracked[r].stage is Stage.PENDING_DECODE]
         s.pending_decode.sort(key=lambda r: (s.tracked[r].req.priority, s.tracked[r].req.arrival_time))
+        if any(s.tracked[r].req.tenant is not None for r in s.pending_decode):
+            s.pending_decode = fair_pending(s)
         still: list[str] = []
         actions: list[Action] = []
         for rid in s.pending_decode:
@@ -367,3 +369,24 @@ class Placement:
             before = max(older.get(p.worker_id, 0), running) + moved_here
             options.append(_Option(before + n - cached, 1, p, n - cached, None))
         return options
+
+
+def _cost(t: Tracked) -> float:
+    """What a tracked request asks of the decode pool (its prompt and output allowance), over its weight."""
+    return (len(t.req.prompt_token_ids) + t.req.params.max_tokens) / t.req.tenant_weight
+
+
+def fair_pending(s: RouterState) -> list[str]:
+    """The pending-decode queue (sorted by priority, arrival) in weighted-fair order across tenants: each
+    request tagged with its tenant's weighted tokens already on decode workers plus its own and its
+    tenant's earlier pending ones (engine/fair_share.py does the same inside each engine), so one
+    tenant's flood queues behind another tenant's next request."""
+    use: dict[str | None, float] = {}
+    for t in s.tracked.values():
+        if t.stage in (Stage.ADMITTING, Stage.DECODE):
+            use[t.req.tenant] = use.get(t.req.tenant, 0.0) + _cost(t)
+    tags: dict[str, float] = {}
+    for rid in s.pending_decode:
+        t = s.tracked[rid]
+        use[t.req.tenant] = tags[rid] = use.get(t.req.tenant, 0.0) + _cost(t)
+    return sorted(s.pending_decode, key=lambda r: (s.tracked[r].req.priority, tags[r], s.tracked[r].req.arrival_time))

@@ -13,6 +13,7 @@ from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin
 from deployments.cluster.messages import GenRequest, LeasedKV, Role, StreamEvent, WorkerSnapshot
 from deployments.config import ServeConfig
 from engine import RequestOutput
+from engine.errors import refusal_text
 from kv_transfer import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -83,11 +84,12 @@ class PrefillWorker(KVExportMixin, EngineWorker):
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         prefill_only=True, arrival_time=engine_arrival(req),
                                         urgent=req.offset > 0, cache_salt=req.cache_salt,
-                                        num_resumed_output=req.num_resumed_output)
+                                        num_resumed_output=req.num_resumed_output, tenant=req.tenant,
+                                        tenant_weight=req.tenant_weight)
                 self.requests[req.request_id] = req
                 self.traces.begin("prefill", req, {"prompt_tokens": len(req.prompt_token_ids)})
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
-            self._push([StreamEvent(req.request_id, req.offset, [], True, "error", str(exc))], [req])
+            self._push([StreamEvent(req.request_id, req.offset, [], True, "error", refusal_text(exc))], [req])
             self.router.on_finished.remote(self.worker_id, req.request_id)
             return
         self.host.wake()

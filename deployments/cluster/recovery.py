@@ -23,6 +23,7 @@ from deployments.cluster.messages import Role, StreamEvent, WorkerSnapshot
 from deployments.cluster.placement import Moves, Placement
 from deployments.cluster.state import RouterState, Stage, Tracked, WorkerView
 from deployments.config import ServeConfig
+from engine.errors import parse_invalid_request
 
 MAX_ATTEMPTS = 6
 
@@ -144,7 +145,9 @@ class Recovery:
         actions: list[Action] = [AbortOn(worker_id, rid, t.req.attempt)]
         if t.handle is not None and (t.prefill_worker_id or "") in self.state.prefill:
             actions.append(ReleaseKV(t.prefill_worker_id, rid, t.handle.epoch))
-        return [self.fail(t, f"{worker_id} refused the request: {reason}"), *actions]
+        # A refusal naming a field (engine.errors.invalid_request_text) goes to the door as it is: a 400.
+        why = reason if parse_invalid_request(reason) else f"{worker_id} refused the request: {reason}"
+        return [self.fail(t, why), *actions]
 
     def requeue(self, t: Tracked, kind: Requeue, delivered: list[int] | None,
                 moving: Moves | None = None) -> list[Action]:

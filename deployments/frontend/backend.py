@@ -88,10 +88,13 @@ class GenerateBackend(Protocol):
     `TextStream` also calls `abort` explicitly: `abort` of a request that is unknown (never submitted,
     or cancelled while submitting) or already finished is a no-op that leaves nothing behind.
     `cache_salt`: the request shares prefix-cache entries only with requests of the same salt.
+    `tenant` / `tenant_weight`: the API key's tenant and its share (frontend/tenants.py), for the
+    engines' fair queueing; passed only by a server with tenants.
     """
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]: ...
+                 priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
+                 tenant_weight: float = 1.0) -> AsyncIterator[TokenDelta]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -148,7 +151,8 @@ class LocalEngineBackend:
 
     # ------------------------------------------------------------------ GenerateBackend
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
+                       tenant_weight: float = 1.0) -> AsyncIterator[TokenDelta]:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
         timer = metrics.RequestTimer()
         t0 = time.time_ns()
@@ -173,7 +177,8 @@ class LocalEngineBackend:
             if rt is not None:
                 tracing.stream_started()
             ids = list(prompt_token_ids)
-            self.host.post(lambda eng: self._add(eng, request_id, ids, params, priority, cache_salt))
+            fair = dict(tenant=tenant, tenant_weight=tenant_weight)
+            self.host.post(lambda eng: self._add(eng, request_id, ids, params, priority, cache_salt, fair))
         metrics.count_submitted()
         finished = False
         finish_reason: str | None = None
@@ -281,13 +286,13 @@ class LocalEngineBackend:
 
     # ------------------------------------------------------------------ engine thread (HostHooks)
     def _add(self, eng: LLMEngine, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             priority: int, cache_salt: str | None) -> None:
+             priority: int, cache_salt: str | None, fair: dict) -> None:
         with self._cv:
             live = request_id in self._streams
         if not live:
             return  # aborted before it reached the engine
         try:
-            eng.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+            eng.add_request(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt, **fair)
         except Exception as e:  # InvalidRequestError and friends: raised by generate()
             with self._cv:
                 stream = self._streams.pop(request_id, None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any, AsyncIterator, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, NamedTuple, Sequence
 
 from deployments.frontend.backend import GenerateBackend
 from deployments.frontend.prepare import PreparedRequest
@@ -63,8 +63,9 @@ class FanOut:
     """
 
     def __init__(self, backend: GenerateBackend, request_id: str, prepared: Sequence[PreparedRequest], n: int,
-                 tokenizer: Any, score_only: bool = False):
+                 tokenizer: Any, score_only: bool = False, on_close: Callable[[], None] | None = None):
         assert prepared and n >= 1
+        self._on_close = on_close  # called once, by the first close(): the tenant's share given back
         self.request_id = request_id
         self.n = n
         self.score_only = score_only
@@ -78,7 +79,8 @@ class FanOut:
                 seed = sibling_seed(req.params.seed, i)
                 params = req.params if n == 1 else dataclasses.replace(req.params, seed=seed)
                 self.streams.append(TextStream(backend, request_id if single else f"{request_id}-{k}",
-                                               req.prompt_token_ids, params, req.priority, tokenizer, req.cache_salt))
+                                               req.prompt_token_ids, params, req.priority, tokenizer, req.cache_salt,
+                                               req.tenant, req.tenant_weight))
         self.finish_reasons: list[str | None] = [None] * len(self.streams)
 
     def prompt_index(self, index: int) -> int:
@@ -147,8 +149,13 @@ class FanOut:
 
     async def close(self) -> None:
         """Abort every choice that did not finish; safe to call from a cancelled task."""
-        for s in self.streams:
-            await s.close()
+        try:
+            for s in self.streams:
+                await s.close()
+        finally:
+            done, self._on_close = self._on_close, None
+            if done is not None:
+                done()
 
     @property
     def usage(self) -> Usage:

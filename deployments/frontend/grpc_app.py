@@ -47,9 +47,11 @@ from deployments.frontend.backend import GenerateBackend, LocalEngineBackend, Qu
 from deployments.frontend.fanout import MAX_N, FanOut
 from deployments.frontend.grpc import pdserve_pb2
 from deployments.frontend.logprobs_format import TokenText, clamp
+from deployments.frontend.openai_protocol import APIError
 from deployments.frontend.prepare import (
     PreparedRequest, PromptInput, PromptKind, SamplingInput, ServedModel, UnknownModelError, prepare_off_loop)
 from deployments.frontend.structured_request import spec_from_grpc
+from deployments.frontend.tenants import Tenant, TenantBook, admit_call
 from deployments.frontend.text_stream import GenerationFailed, Usage
 from engine import InvalidRequestError
 from engine.structured import StructuredSpec
@@ -212,14 +214,15 @@ def _proto_logprobs(texts: TokenText, token_ids: list[int], logprobs: list) -> l
 
 # ---------------------------------------------------------------------- the stream
 async def generate_stream(backend: GenerateBackend, model: ServedModel, request_id: str,
-                          prepared: PreparedRequest, n: int = 1) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+                          prepared: PreparedRequest, n: int = 1,
+                          on_close: Callable[[], None] | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
     """The text streams of the `n` samples as response chunks (each with its sample's `index`); each
     sample's last chunk carries its finish_reason, the call's last chunk also the usage.
 
     `token_ids` are what the model generated; `text` is cut at the first stop string (the tokens that
     spelled it may still appear in `token_ids`). Raises `GRPCError` for refusals and failures.
     """
-    stream = FanOut(backend, request_id, [prepared], n, model.tokenizer)
+    stream = FanOut(backend, request_id, [prepared], n, model.tokenizer, on_close=on_close)
     texts = TokenText(model.tokenizer)
     started: set[int] = set()
     left = n
@@ -267,27 +270,48 @@ class GenerationService:
 
     api_key: when set, both RPCs need metadata `authorization: Bearer <api_key>` (as HTTP's /v1);
     Health answers without it too, but with its status only (as HTTP's /health).
+    tenants / max_request_tokens: as the HTTP app's (frontend/tenants.py): a tenant's key works here too,
+    with the same share of this replica.
     """
 
-    def __init__(self, state: ServingState, api_key: str | None = None):
+    def __init__(self, state: ServingState, api_key: str | None = None, tenants: TenantBook | None = None,
+                 max_request_tokens: int | None = None):
         self.backend = state.backend
         self.model = ServedModel.of(state.model_name, state.tokenizer, state.max_model_len, state.vocab_size,
                                     state.scheduling_policy)
         self.api_key = api_key
+        self.tenants = tenants
+        self.max_request_tokens = max_request_tokens
+
+    def _caller(self, grpc_context: RayServegRPCContext) -> tuple[bool, Tenant | None]:
+        """(whether the call may go on, its tenant) from its `authorization` metadata."""
+        header = next((v for k, v in grpc_context.invocation_metadata() if k == "authorization"), None)
+        header = header if isinstance(header, str) else None
+        tenant = self.tenants.identify(header) if self.tenants is not None else None
+        if tenant is not None:
+            return True, tenant
+        if self.tenants is not None and not self.api_key:
+            return False, None
+        return bearer_matches(header, self.api_key), None
 
     def _authorized(self, grpc_context: RayServegRPCContext) -> bool:
-        header = next((v for k, v in grpc_context.invocation_metadata() if k == "authorization"), None)
-        return bearer_matches(header if isinstance(header, str) else None, self.api_key)
+        return self._caller(grpc_context)[0]
 
     async def Generate(self, request: pdserve_pb2.GenerateRequest,
                        grpc_context: RayServegRPCContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         request_id = f"grpc-{uuid.uuid4().hex}"
         try:
-            if not self._authorized(grpc_context):
+            ok, tenant = self._caller(grpc_context)
+            if not ok:
                 raise UNAUTHENTICATED
             n = num_samples(request)
             prepared = await prepare_request(request, self.model)
-            async for out in generate_stream(self.backend, self.model, request_id, prepared, n):
+            try:
+                (prepared,), admission = admit_call(self.tenants, tenant, [prepared], n, self.max_request_tokens)
+            except APIError as e:
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if e.status_code == 429 else grpc.StatusCode.INVALID_ARGUMENT
+                raise GRPCError(code, f"{e.param}: {e.message}" if e.param else e.message) from None
+            async for out in generate_stream(self.backend, self.model, request_id, prepared, n, admission.release):
                 yield out
         except GRPCError as e:
             raise _fail(grpc_context, e)
@@ -321,5 +345,7 @@ class GRPCIngress(GenerationService):
     (QueueFullError → RESOURCE_EXHAUSTED) is the real admission control.
     """
 
-    def __init__(self, backend_factory: BackendFactory, api_key: str | None = None):
-        super().__init__(ServingState(*backend_factory()), api_key)
+    def __init__(self, backend_factory: BackendFactory, api_key: str | None = None,
+                 tenants_file: str | None = None, max_request_tokens: int | None = None):
+        tenants = TenantBook.from_file(tenants_file) if tenants_file else None
+        super().__init__(ServingState(*backend_factory()), api_key, tenants, max_request_tokens)

@@ -26,7 +26,7 @@ from deployments import tracing
 from deployments.frontend.backend import GenerateBackend
 from deployments.frontend.auth import bearer_matches
 from deployments.frontend.http_auth import BearerAuth
-from deployments.frontend.http_body import INLINE_PARSE_BYTES, MAX_BODY_BYTES, parse_body
+from deployments.frontend.http_body import BODY_TIMEOUT_S, INLINE_PARSE_BYTES, MAX_BODY_BYTES, parse_body
 from deployments.frontend.http_errors import add_error_handlers, api_error
 from deployments.frontend.http_stream import ResponseOptions, respond
 from deployments.frontend.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest
@@ -34,6 +34,7 @@ from deployments.frontend.openai_responses import ModelCard, ModelList
 from deployments.frontend.fanout import FanOut
 from deployments.frontend.openai_choices import ChoiceFormatter, ChoiceOptions
 from deployments.frontend.prepare import PromptInput, PromptKind, ServedModel, prepare, prepare_off_loop
+from deployments.frontend.tenants import Tenant, TenantBook, admit_call
 from engine import InvalidRequestError
 
 
@@ -51,8 +52,22 @@ class IngressState:
     vocab_size: int | None = None  # the model's; None: the tokenizer's size (see ServedModel.of)
     scheduling_policy: str = "fcfs"  # the engines' (EngineConfig.scheduling_policy): fcfs refuses a priority
     max_body_bytes: int = MAX_BODY_BYTES  # larger bodies get 413
+    body_timeout_s: float | None = BODY_TIMEOUT_S  # a body not whole this long after its headers: 408
+    # Several API keys, each a tenant with its share (tenants.py); None: `api_key` alone, no tenants.
+    tenants: TenantBook | None = None
+    # One call's prompts x n x (prompt + max_tokens) tokens at most (None: no cap); more is a 400.
+    max_request_tokens: int | None = None
     # Derived by `configure_openai_app` once tokenizer and max_model_len are known.
     served_model: ServedModel | None = None
+
+    def authorize(self, authorization: str | None) -> tuple[bool, Tenant | None]:
+        """Whether `authorization` may use /v1, and its tenant: a tenant's key, or `api_key` (no tenant)."""
+        tenant = self.tenants.identify(authorization) if self.tenants is not None else None
+        if tenant is not None:
+            return True, tenant
+        if self.tenants is not None and not self.api_key:
+            return False, None
+        return bearer_matches(authorization, self.api_key), None
 
     def ready(self) -> tuple[GenerateBackend, ServedModel]:
         if self.backend is None or self.served_model is None:
@@ -64,7 +79,8 @@ class IngressState:
 def build_openai_app(backend: GenerateBackend | None = None, tokenizer: Any = None, model_name: str = "pdserve",
                      max_model_len: int | None = None, api_key: str | None = None,
                      max_queue_wait_s: float | None = None, vocab_size: int | None = None,
-                     scheduling_policy: str = "fcfs") -> FastAPI:
+                     scheduling_policy: str = "fcfs", tenants: TenantBook | None = None,
+                     max_request_tokens: int | None = None) -> FastAPI:
     """A FastAPI app serving /v1/completions, /v1/chat/completions, /v1/models and /health.
 
     All arguments may be left out here and set later with `configure_openai_app` (e.g. in a Serve
@@ -72,12 +88,16 @@ def build_openai_app(backend: GenerateBackend | None = None, tokenizer: Any = No
     api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`; /health stays open but
         shows the backend's details only with the key (without it: just whether the server is up).
     vocab_size: prompt token ids must lie in [0, vocab_size); None: the tokenizer's size.
+    tenants: several API keys, each a tenant (tenants.py); with `api_key` too, that key stays valid
+        without a tenant.
+    max_request_tokens: the most tokens one call may ask for, prompts x n x (prompt + max_tokens).
     """
     app = FastAPI(title="pdserve", description="OpenAI-compatible LLM serving with disaggregated prefill/decode")
     app.state.pdserve = IngressState()
     configure_openai_app(app, backend=backend, tokenizer=tokenizer, model_name=model_name,
                          max_model_len=max_model_len, api_key=api_key, max_queue_wait_s=max_queue_wait_s,
-                         vocab_size=vocab_size, scheduling_policy=scheduling_policy)
+                         vocab_size=vocab_size, scheduling_policy=scheduling_policy, tenants=tenants,
+                         max_request_tokens=max_request_tokens)
     app.add_middleware(BearerAuth)
     add_error_handlers(app)
     # Bodies are parsed by the routes themselves, so any Content-Type works (curl -d sends a form type).
@@ -94,12 +114,14 @@ _UNSET: Any = object()
 def configure_openai_app(app: FastAPI, *, backend: GenerateBackend | None = _UNSET, tokenizer: Any = _UNSET,
                          model_name: str = _UNSET, max_model_len: int | None = _UNSET, api_key: str | None = _UNSET,
                          max_queue_wait_s: float | None = _UNSET, vocab_size: int | None = _UNSET,
-                         scheduling_policy: str = _UNSET) -> IngressState:
+                         scheduling_policy: str = _UNSET, tenants: TenantBook | None = _UNSET,
+                         max_request_tokens: int | None = _UNSET) -> IngressState:
     """Set (some of) the app's serving state; arguments left out keep their value."""
     state: IngressState = app.state.pdserve
     for name, value in dict(backend=backend, tokenizer=tokenizer, model_name=model_name, max_model_len=max_model_len,
                             api_key=api_key, max_queue_wait_s=max_queue_wait_s, vocab_size=vocab_size,
-                            scheduling_policy=scheduling_policy).items():
+                            scheduling_policy=scheduling_policy, tenants=tenants,
+                            max_request_tokens=max_request_tokens).items():
         if value is not _UNSET:
             setattr(state, name, value)
     state.served_model = None
@@ -116,13 +138,14 @@ def _state(request: Request) -> IngressState:
 # ---------------------------------------------------------------------- routes
 async def _completions(request: Request) -> Response:
     t0 = time.time_ns()
-    body = await parse_body(request, CompletionRequest, _state(request).max_body_bytes)
+    body = await parse_body(request, CompletionRequest, _state(request).max_body_bytes, _state(request).body_timeout_s)
     return await _traced(request, body, False, t0)
 
 
 async def _chat_completions(request: Request) -> Response:
     t0 = time.time_ns()
-    body = await parse_body(request, ChatCompletionRequest, _state(request).max_body_bytes)
+    body = await parse_body(request, ChatCompletionRequest, _state(request).max_body_bytes,
+                             _state(request).body_timeout_s)
     return await _traced(request, body, True, t0)
 
 
@@ -159,6 +182,8 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
                         for p in prompts]
     except InvalidRequestError as e:
         raise api_error(e) from None
+    prepared, admission = admit_call(state.tenants, getattr(request.state, "tenant", None), prepared,
+                                     body.num_samples, state.max_request_tokens)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if (rt := tracing.current()) is not None:
         rt.span.set_attribute("request_id", request_id)
@@ -166,7 +191,12 @@ async def _generate(request: Request, body: CompletionRequest | ChatCompletionRe
             "prompts": len(prepared), "prompt_tokens": sum(len(p.prompt_token_ids) for p in prepared),
             "structured_output": any(p.params.structured is not None for p in prepared)})
     score_only = not chat and body.score_only
-    stream = FanOut(backend, request_id, prepared, body.num_samples, model.tokenizer, score_only=score_only)
+    try:
+        stream = FanOut(backend, request_id, prepared, body.num_samples, model.tokenizer, score_only=score_only,
+                        on_close=admission.release)
+    except BaseException:
+        admission.release()
+        raise
     echo = None if chat or not body.echo else [_echo_text(model, p) for p in prompts]
     tools = body.tool_plan().output if chat else None  # checked by sampling_input() above
     fmt = ChoiceFormatter(stream, model.tokenizer, ChoiceOptions(chat, sampling.logprobs is not None, echo, tools))
@@ -207,6 +237,6 @@ async def _health(request: Request) -> Response:
         info = {"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}
     status = str(info.get("status", "ok"))
     code = 200 if status == "ok" else 503
-    if not bearer_matches(request.headers.get("authorization"), state.api_key):
+    if not state.authorize(request.headers.get("authorization"))[0]:
         return JSONResponse({"status": status}, status_code=code)
     return JSONResponse({"model": state.model_name, **info, "status": status}, status_code=code)

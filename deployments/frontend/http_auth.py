@@ -1,8 +1,8 @@
-"""API-key check for the HTTP app: `Authorization: Bearer <api_key>` when a key is configured."""
+"""API-key check for the HTTP app: `Authorization: Bearer <key>` when a key (or a keys file: tenants.py)
+is configured; the key's tenant goes to the routes in `request.state.tenant`."""
 
 from __future__ import annotations
 
-from deployments.frontend.auth import bearer_matches
 from deployments.frontend.http_errors import error_response
 from deployments.frontend.openai_protocol import APIError
 
@@ -11,8 +11,8 @@ class BearerAuth:
     """ASGI middleware: checks the key on everything but /health (probes carry no key; /health shows
     its details only with the key, see http_app._health).
 
-    The key is read per request from `app.state.pdserve.api_key`, so `configure_openai_app` can set
-    it after the app is built.
+    The keys are read per request from `app.state.pdserve` (`api_key`, `tenants`), so
+    `configure_openai_app` can set them after the app is built.
     """
 
     def __init__(self, app):
@@ -20,9 +20,11 @@ class BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and not scope["path"].endswith("/health"):
-            key = scope["app"].state.pdserve.api_key
             header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not bearer_matches(header, key):
+            ok, tenant = scope["app"].state.pdserve.authorize(header)
+            if ok:
+                scope.setdefault("state", {})["tenant"] = tenant
+            else:
                 err = APIError(401, "missing or invalid API key: send `Authorization: Bearer <key>`",
                                "invalid_request_error", code="invalid_api_key")
                 await error_response(err)(scope, receive, send)

@@ -28,6 +28,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 # Larger bodies are parsed on a worker thread: ~100 ms of parsing a few MiB would stall every stream
 # this event loop serves (the thread yields the GIL to the loop every few ms).
 INLINE_PARSE_BYTES = 64 * 1024
+# The longest a body may take to arrive after its headers (the server's http_body_timeout_s).
+BODY_TIMEOUT_S = 30.0
 # Valid UTF-8 cannot hold a surrogate: only a JSON escape (\ud800-\udfff) can make one.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -37,8 +39,9 @@ def _too_large(limit: int) -> APIError:
                     code="request_too_large")
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The raw body; 413 as soon as the declared length or the bytes read pass `limit`."""
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES, timeout_s: float | None = BODY_TIMEOUT_S) -> bytes:
+    """The raw body; 413 as soon as the declared length or the bytes read pass `limit`; 408 when it has
+    not arrived whole within `timeout_s` (a client that sends its headers and then trickles or stalls)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not (declared.isascii() and declared.isdigit()):
@@ -46,11 +49,16 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
         if len(declared) > 18 or int(declared) > limit:  # NOTE: never int() a header of 10,000 digits
             raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():  # NOTE: counted while read: Content-Length may be absent (chunked)
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():  # NOTE: counted while read: Content-Length may be absent
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g}s (http_body_timeout_s)",
+                       "invalid_request_error", code="body_timeout", headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -115,9 +123,10 @@ def validation_error(errors: list[dict]) -> APIError:
     return APIError.bad_request(msg[:1000] or "invalid request body", loc[0][:64] if loc else None, "invalid_value")
 
 
-async def parse_body(request: Request, model: type[T], limit: int = MAX_BODY_BYTES) -> T:
-    """The body as `model`; APIError (400, 413) for every way it can be wrong."""
-    raw = await read_body(request, limit)
+async def parse_body(request: Request, model: type[T], limit: int = MAX_BODY_BYTES,
+                     timeout_s: float | None = BODY_TIMEOUT_S) -> T:
+    """The body as `model`; APIError (400, 408, 413) for every way it can be wrong."""
+    raw = await read_body(request, limit, timeout_s)
     request.state.body_bytes = len(raw)  # the routes prepare a large body off the loop too (http_app.py)
     if len(raw) > INLINE_PARSE_BYTES:
         return await asyncio.to_thread(parse_bytes, raw, model)

@@ -110,6 +110,8 @@ class PreparedRequest(NamedTuple):
     params: SamplingParams
     priority: int = 0  # lower runs first
     cache_salt: str | None = None  # prefix-cache entries are shared only between requests with the same salt
+    tenant: str | None = None  # the API key's tenant (tenants.py); None: no tenants configured
+    tenant_weight: float = 1.0
 
 
 def prepare(model: ServedModel, prompt: PromptInput, sampling: SamplingInput, priority: int = 0,

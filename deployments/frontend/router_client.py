@@ -50,7 +50,8 @@ class RouterBackend:
         return queue
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[TokenDelta]:
+                       priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
+                       tenant_weight: float = 1.0) -> AsyncIterator[TokenDelta]:
         timer = metrics.RequestTimer()
         t0 = time.time_ns()
         trace = tracing.stream_started()  # None unless tracing is on and the door traces this request
@@ -58,7 +59,8 @@ class RouterBackend:
             queue = await self._submit(GenRequest(request_id, list(prompt_token_ids), params, self.hub_id,
                                                   self.hub.address, priority=priority,
                                                   num_original_prompt_tokens=len(prompt_token_ids),
-                                                  arrival_time=time.time(), cache_salt=cache_salt, trace=trace))
+                                                  arrival_time=time.time(), cache_salt=cache_salt, trace=trace,
+                                                  tenant=tenant, tenant_weight=tenant_weight))
         except BaseException as e:
             if trace is not None:
                 tracing.stream_finished(t0, "rejected" if isinstance(e, QueueFullError) else "error",

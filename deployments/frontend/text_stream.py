@@ -138,7 +138,8 @@ class TextStream:
     """One request's generation as text chunks plus usage counts; see the module docstring."""
 
     def __init__(self, backend: GenerateBackend, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams, priority: int, tokenizer: Any, cache_salt: str | None = None):
+                 params: SamplingParams, priority: int, tokenizer: Any, cache_salt: str | None = None,
+                 tenant: str | None = None, tenant_weight: float = 1.0):
         self.backend = backend
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -151,6 +152,8 @@ class TextStream:
         self._stops = StopStringFilter(params.stop)
         # NOTE: `cache_salt` only when set, so a backend without salts still serves unsalted requests.
         salt = {} if cache_salt is None else {"cache_salt": cache_salt}
+        if tenant is not None:  # likewise: only a server with tenants passes them
+            salt.update(tenant=tenant, tenant_weight=tenant_weight)
         self._gen = backend.generate(request_id, prompt_token_ids, params, priority, **salt)
         self._first: TokenDelta | None = None
         # Nothing to abort until `start` enters the backend's generate (it may submit at once), and

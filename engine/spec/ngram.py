@@ -37,7 +37,7 @@ class NgramProposer:
         idx.num_indexed = max(idx.num_indexed, len(token_ids))
         return idx
 
-    def propose(self, seq_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+    def propose(self, seq_id: str, token_ids: list[int], max_tokens: int, scope: str | None = None) -> list[int]:
         if max_tokens <= 0 or len(token_ids) < self.min_n + 1:
             return []
         idx = self._index(seq_id, token_ids)
@@ -47,5 +47,5 @@ class NgramProposer:
                 return list(token_ids[end:end + max_tokens])
         return []
 
-    def finish(self, seq_id: str, token_ids: list[int]) -> None:
+    def finish(self, seq_id: str, token_ids: list[int], scope: str | None = None) -> None:
         self._seqs.pop(seq_id, None)

@@ -16,10 +16,11 @@ class Proposer(Protocol):
     list must be a plausible continuation of exactly `token_ids` (prompt + output so far).
     """
 
-    def propose(self, seq_id: str, token_ids: list[int], max_tokens: int) -> list[int]: ...
+    def propose(self, seq_id: str, token_ids: list[int], max_tokens: int, scope: str | None = None) -> list[int]: ...
 
-    def finish(self, seq_id: str, token_ids: list[int]) -> None:
-        """The sequence ended: drop its state (a proposer may keep its output to guess for others)."""
+    def finish(self, seq_id: str, token_ids: list[int], scope: str | None = None) -> None:
+        """The sequence ended: drop its state (a proposer may keep its output to guess for others, but
+        only for sequences of the same `scope`: the requests' cache salt, one per tenant)."""
 
 
 def make_proposer(method: str, **options) -> Proposer | None:

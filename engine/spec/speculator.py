@@ -81,7 +81,8 @@ class Speculator:
             room = min(req.params.max_tokens - len(req.output_token_ids), max_model_len - req.num_tokens) - 1
             k = min(self.controller.draft_len(req.request_id, budget), room)
             if k > 0:
-                req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids, k)[:k]
+                req.spec_token_ids = self.proposer.propose(req.request_id, req.all_token_ids, k,
+                                                           **_scope(req))[:k]
 
     def record_verify(self, req: Request, num_drafted: int, num_emitted: int) -> None:
         """Verification of `num_drafted` drafts of `req` produced `num_emitted` tokens."""
@@ -100,4 +101,10 @@ class Speculator:
         req.spec_token_ids = []
         self.controller.finish(req.request_id)
         if not req.prefill_only:
-            self.proposer.finish(req.request_id, list(req.output_token_ids))
+            self.proposer.finish(req.request_id, list(req.output_token_ids), **_scope(req))
+
+
+def _scope(req: Request) -> dict:
+    """The proposer's `scope` for `req` (its cache salt), passed only when it has one, so a proposer written
+    without scopes keeps working for unsalted requests."""
+    return {} if req.cache_salt is None else {"scope": req.cache_salt}

@@ -6,9 +6,11 @@ confidence instead of being fixed."""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 
+MAX_SCOPES = 64  # global tries kept (one per cache salt), least recently used dropped first
 _KEY_SHIFT = 32  # an edge's key: parent node << 32 | token (token ids stay far below 2**32)
 
 
@@ -111,9 +113,12 @@ class SuffixProposer:
         follow = int(max_match * match_factor)
         self.depth = max_match + (follow if max_drafts is None else min(follow, max_drafts)) + 1
         self._local: dict[str, tuple[SuffixTrie, int]] = {}  # seq -> (its trie, tokens appended)
-        self._recent: deque[list[int]] = deque(maxlen=max_global_seqs)
+        self.max_global_seqs = max_global_seqs
         self.max_global_nodes = max_global_nodes
-        self._global = SuffixTrie(self.depth)
+        # One global trie per scope (the requests' cache salt): finished outputs teach only requests of
+        # the same scope, so one tenant's drafts never reveal another's text. The least recently used
+        # scope is dropped past MAX_SCOPES.
+        self._scopes: OrderedDict[str | None, _GlobalTrie] = OrderedDict()
 
     def _local_trie(self, seq_id: str, token_ids: list[int]) -> SuffixTrie:
         trie, n = self._local.get(seq_id, (None, 0))
@@ -130,7 +135,23 @@ class SuffixProposer:
             return [], 0.0
         return trie.follow(node, min(max_tokens, max(1, int(n * self.match_factor))), self.min_prob)
 
-    def propose(self, seq_id: str, token_ids: list[int], max_tokens: int) -> list[int]:
+    def _scope(self, scope: str | None, create: bool) -> _GlobalTrie | None:
+        g = self._scopes.get(scope)
+        if g is None and create:
+            g = self._scopes[scope] = _GlobalTrie(SuffixTrie(self.depth), deque(maxlen=self.max_global_seqs))
+            while len(self._scopes) > MAX_SCOPES:
+                self._scopes.popitem(last=False)
+        if g is not None:
+            self._scopes.move_to_end(scope)
+        return g
+
+    @property
+    def _global(self) -> SuffixTrie:
+        """The unscoped global trie (tests)."""
+        g = self._scope(None, create=False)
+        return g.trie if g is not None else SuffixTrie(self.depth)
+
+    def propose(self, seq_id: str, token_ids: list[int], max_tokens: int, scope: str | None = None) -> list[int]:
         if max_tokens <= 0 or not token_ids:
             return []
         local = self._local_trie(seq_id, token_ids)
@@ -138,17 +159,27 @@ class SuffixProposer:
         # last token would miss the newest evidence, so match the whole context: the open suffix has
         # no children of its own yet unless it occurred before.
         best, best_score = self._candidate(local, token_ids, max_tokens)
-        glob, glob_score = self._candidate(self._global, token_ids, max_tokens)
+        g = self._scope(scope, create=False)
+        if g is None:
+            return best
+        glob, glob_score = self._candidate(g.trie, token_ids, max_tokens)
         return glob if glob_score > best_score else best
 
-    def finish(self, seq_id: str, token_ids: list[int]) -> None:
+    def finish(self, seq_id: str, token_ids: list[int], scope: str | None = None) -> None:
         self._local.pop(seq_id, None)
         if not token_ids:
             return
-        self._recent.append(list(token_ids))
-        if self._global.num_nodes + len(token_ids) * self.depth > self.max_global_nodes:
-            self._global = SuffixTrie(self.depth)
-            for seq in self._recent:
-                self._global.extend(seq)
+        g = self._scope(scope, create=True)
+        g.recent.append(list(token_ids))
+        if g.trie.num_nodes + len(token_ids) * self.depth > self.max_global_nodes:
+            g.trie = SuffixTrie(self.depth)
+            for seq in g.recent:
+                g.trie.extend(seq)
         else:
-            self._global.extend(token_ids)
+            g.trie.extend(token_ids)
+
+
+@dataclass(slots=True)
+class _GlobalTrie:
+    trie: SuffixTrie
+    recent: deque[list[int]]

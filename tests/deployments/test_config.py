@@ -71,7 +71,8 @@ SAMPLES = {"speculative_method": "ngram", "prefill_min_workers": 1, "decode_min_
            "decode_max_workers": 3, "ingress_max_replicas": 3, "dtype": "bfloat16", "kv_cache_dtype": "float16",
            "device": "cuda", "batching": "static", "num_threads": 2, "scheduling_policy": "priority",
            "gpu_memory_utilization": 0.5, "ops_backend": "torch", "kv_cache_memory_mb": 4096,
-           "trace_exporter": "file:/tmp/pdserve-trace"}
+           "trace_exporter": "file:/tmp/pdserve-trace",
+           "api_keys_file": "docs/examples/api_keys.json"}
 
 
 def _sample(s: Setting):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kv_transfer import KVTransferError
-from kv_transfer.gloo import GlooTransport
+from kv_transfer.gloo import JOINED_KEY, GlooTransport
 
 HOST = "127.0.0.1"
 
@@ -52,9 +52,9 @@ def _listeners() -> set[tuple[str, int]]:
 
 def _pair() -> tuple[GlooTransport, GlooTransport, int]:
     exporter, importer = GlooTransport(HOST, timeout_s=20), GlooTransport(HOST, timeout_s=20)
-    host, port = exporter.listen("importer")
-    importer.connect("exporter", (host, port))
-    return exporter, importer, port
+    address = exporter.listen("importer")
+    importer.connect("exporter", address)
+    return exporter, importer, address.port
 
 
 def _send_one(exporter: GlooTransport, importer: GlooTransport) -> torch.Tensor:
@@ -130,3 +130,47 @@ def test_nccl_sockets_are_pinned_to_the_interface_of_the_node_address(monkeypatc
     assert pin_interface("127.0.0.1") == "=lo"
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")
     assert pin_interface("127.0.0.1") == "eth1"  # the operator's choice stands
+
+
+def test_a_stranger_who_joins_the_rendezvous_is_refused():
+    """A neighbour who reaches the store (its port is no secret) and joins as rank 1 without the pair's
+    secret: rank 0 refuses the address it wrote (unsigned), so no group forms and nothing is sent to it;
+    the stranger never learns where rank 0's device listens (every value it reads is signed, and its
+    own group never forms)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    exporter = GlooTransport(HOST, timeout_s=5)
+    address = exporter.listen("importer")
+    stranger_error: list[BaseException] = []
+    stranger_got: list[torch.Tensor] = []
+
+    def join():
+        try:
+            store = dist.TCPStore(address.host, address.port, 2, False, timeout=datetime.timedelta(seconds=5))
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = datetime.timedelta(seconds=5)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=HOST)]
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("pdserve-kv", store), 1, 2, opts)
+            store.set(JOINED_KEY, b"1")  # everything a rank 1 does, but signing
+            got = torch.zeros(8)
+            pg.recv([got], 0, 0).wait()
+            stranger_got.append(got)
+        except BaseException as e:  # noqa: BLE001 - what the test checks
+            stranger_error.append(e)
+
+    t = threading.Thread(target=join, daemon=True)
+    t.start()
+    with pytest.raises(KVTransferError):
+        exporter.send(torch.arange(8, dtype=torch.float32), "importer", 10)
+    t.join(30)
+    assert not t.is_alive() and stranger_error and not stranger_got, "the stranger's group formed"
+    exporter.close()
+    # A pair that knows the secret still forms and sends.
+    exporter, importer, _ = _pair()
+    try:
+        assert torch.equal(_send_one(exporter, importer), torch.arange(8, dtype=torch.float32))
+    finally:
+        exporter.close()
+        importer.close()
