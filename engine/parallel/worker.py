@@ -24,7 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import EngineConfigError
 from engine.parallel.group import DEFAULT_TIMEOUT_S, LeaderGone, TPGroup, leader_store
-from engine.parallel.messages import ShutdownMessage, StepMessage
+from engine.parallel.messages import KVGatherMessage, KVScatterMessage, ShutdownMessage, StepMessage
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,10 @@ def run_follower(config: EngineConfig, rank: int, world: int, init_method: str,
                 return "leader gone"
             if isinstance(msg, ShutdownMessage):
                 return "shutdown"
+            if isinstance(msg, (KVGatherMessage, KVScatterMessage)):
+                from engine.parallel.kv_shards import follow_kv
+                follow_kv(runner, msg)
+                continue
             if not isinstance(msg, StepMessage):
                 raise TypeError(f"TP rank {rank}: unknown message {type(msg).__name__}")
             with torch.inference_mode(), attention_backends(runner.device):
