@@ -89,7 +89,9 @@ def reference(model_dir):
     return _run(eng)
 
 
-@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (2, 2)])
+# (2, 2) gathers and scatters both: the default suite's case; the others are slow.
+@pytest.mark.parametrize("p_tp, d_tp", [pytest.param(1, 2, marks=pytest.mark.slow),
+                                        pytest.param(2, 1, marks=pytest.mark.slow), (2, 2)])
 def test_kv_moves_between_tp_degrees_and_decodes_the_same_tokens(model_dir, reference, p_tp, d_tp):
     p, d = Side(model_dir, p_tp, "P"), Side(model_dir, d_tp, "D")
     try:
