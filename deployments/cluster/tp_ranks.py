@@ -75,9 +75,13 @@ def scheduling(pg: Any, bundle: int) -> dict[str, Any]:
     return {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, bundle)}
 
 
-@ray.remote(max_restarts=0)
+@ray.remote(max_restarts=0, max_concurrency=2)
 class TPFollower:
-    """Rank r > 0 of a worker: its shard and KV heads; runs the steps rank 0 hands it."""
+    """Rank r > 0 of a worker: its shard and KV heads; runs the steps rank 0 hands it (`run`, which
+    lasts as long as the worker; `ping` answers beside it)."""
+
+    def ping(self) -> int:
+        return os.getpid()
 
     def run(self, config: EngineConfig, rank: int, world: int, init_method: str, timeout_s: float) -> str:
         from engine.parallel import run_follower
@@ -102,7 +106,7 @@ class Ranks:
         store, init_method = leader_store(world, host, GROUP_TIMEOUT_S)
         # A Ray actor sees its one GPU as cuda:0 (engine.parallel.worker.rank_device).
         follower_config = replace(config, device="cuda:0") if config.device == "cuda" else config
-        self.actors = [TPFollower.options(name=None, num_cpus=num_cpus, num_gpus=num_gpus, **scheduling(pg, r))
+        self.actors = [TPFollower.options(num_cpus=num_cpus, num_gpus=num_gpus, **scheduling(pg, r))
                        .remote() for r in range(1, world)]
         self.runs = [a.run.remote(follower_config, r, world, init_method, GROUP_TIMEOUT_S)
                      for r, a in enumerate(self.actors, start=1)]
@@ -155,13 +159,8 @@ class Ranks:
                                 self.worker_id, self.runs.index(done[0]) + 1, self._why(done[0]))
                 os._exit(1)
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """After the engine closed (its followers got Shutdown): wait a little for them, then kill them."""
-        self.closing = True
-        ray.wait(self.runs, num_returns=len(self.runs), timeout=timeout_s)
-        self.kill()
-
     def kill(self) -> None:
+        """End the followers (the worker closes, or its engine failed to start); not a failure."""
         self.closing = True
         for a in self.actors:
             try:

@@ -26,6 +26,14 @@ BASE = dict(kv_cache_memory_mb=16, max_num_batched_tokens=64, block_size=4, dtyp
 
 
 @pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray for the module (8 logical CPUs: a TP-2 worker's group takes 2); each test starts
+    and shuts down its own router and workers in it."""
+    with local_ray(8, namespace="pdserve-tp"):
+        yield
+
+
+@pytest.fixture(scope="module")
 def model(tiny_model_dir):
     return tiny_model_dir("llama")  # 4 heads, 2 KV heads
 
@@ -57,11 +65,15 @@ def _generate(router, prompts, params=PARAMS, on_progress=None):
     return asyncio.run(run())
 
 
-def _pg_state(worker_id: str) -> str | None:
-    for pg in ray.util.placement_group_table().values():
-        if pg.get("name") == placement_group_name(worker_id):
-            return pg["state"]
-    return None
+def _pg_states(worker_id: str) -> set[str]:
+    """The states of the placement groups named after `worker_id` (earlier tests' routers used the
+    same worker names: their groups show as REMOVED)."""
+    return {pg["state"] for pg in ray.util.placement_group_table().values()
+            if pg.get("name") == placement_group_name(worker_id)}
+
+
+def _live_pg(worker_id: str) -> bool:
+    return bool(_pg_states(worker_id) - {"REMOVED"})
 
 
 LAYOUTS = [
@@ -73,39 +85,57 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", LAYOUTS)
-def test_tp_serving_equals_the_single_engine(model, reference, prefill_tp, decode_tp):
+def test_tp_serving_equals_the_single_engine(ray_cluster, model, reference, prefill_tp, decode_tp):
     colocated = prefill_tp == 0
     # local_prefill_max_tokens=0: every prompt goes through the prefill pool and its KV moves.
     cfg = ServeConfig.from_dict(dict(model=model, num_prefill_workers=0 if colocated else 1, num_decode_workers=1,
                                      prefill_tp=max(prefill_tp, 1), decode_tp=decode_tp, local_prefill_max_tokens=0,
                                      **BASE))
-    with local_ray(6, namespace="pdserve-tp"):
-        with pdserve_router(cfg, timeout_s=300) as router:
-            assert _generate(router, PROMPTS) == reference
-            stats = ray.get(router.stats.remote())
-            assert stats["pools"]["decode"]["size"] == 1  # one worker per placement group
-            assert stats["pools"]["prefill"]["size"] == (0 if colocated else 1)
-            workers = ray.get(router.workers.remote())
-            for wid, actor in workers.items():
-                tp = decode_tp if wid.startswith("pdserve-decode") else prefill_tp
-                assert len(ray.get(actor.tp_followers.remote())) == tp - 1
-                assert _pg_state(wid) == ("CREATED" if tp > 1 else None)
-            received = ray.get(workers["pdserve-decode-0"].kv_stats.remote())["num_received"]
-            assert received == (0 if colocated else len(PROMPTS))
-            wait_no_leaks(router)
-        # the router's shutdown removed every placement group (ending the ranks in them)
-        assert all(_pg_state(wid) in (None, "REMOVED") for wid in workers)
+    with pdserve_router(cfg, timeout_s=300) as router:
+        assert _generate(router, PROMPTS) == reference
+        stats = ray.get(router.stats.remote())
+        assert stats["pools"]["decode"]["size"] == 1  # one worker per placement group
+        assert stats["pools"]["prefill"]["size"] == (0 if colocated else 1)
+        workers = ray.get(router.workers.remote())
+        followers = []
+        for wid, actor in workers.items():
+            tp = decode_tp if wid.startswith("pdserve-decode") else prefill_tp
+            mine = ray.get(actor.tp_followers.remote())
+            assert len(mine) == tp - 1
+            assert ("CREATED" in _pg_states(wid)) == (tp > 1)
+            followers += mine
+        received = ray.get(workers["pdserve-decode-0"].kv_stats.remote())["num_received"]
+        assert received == (0 if colocated else len(PROMPTS))
+        wait_no_leaks(router)
+    # the router's shutdown removed every placement group, and no rank outlived its worker
+    assert not any(_live_pg(wid) for wid in workers)
+    _assert_gone(followers)
+
+
+def _dead(actor) -> bool:
+    try:
+        ray.get(actor.ping.remote(), timeout=30)
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+def _assert_gone(actors, timeout_s: float = 60.0) -> None:
+    """Every one of `actors` ends within `timeout_s` (Ray ends an actor whose owner died, or whose
+    placement group was removed, a moment after the fact)."""
+    for a in actors:
+        wait_for(lambda: _dead(a), timeout_s=timeout_s, interval_s=0.5, what=f"{a} ended")
 
 
 @pytest.mark.slow
-def test_a_follower_killed_mid_stream_moves_its_workers_requests(model):
+def test_a_follower_killed_mid_stream_moves_its_workers_requests(ray_cluster, model):
     prompts = PROMPTS * 2
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     eng = LLMEngine(EngineConfig(model=model, num_kv_blocks=256, block_size=4, dtype="float32"))
     want = [o.token_ids for o in run_offline(eng, prompts, params)]
     cfg = ServeConfig.from_dict(dict(model=model, num_prefill_workers=1, num_decode_workers=2, decode_tp=2,
                                      health_check_timeout_s=5.0, local_prefill_max_tokens=0, **BASE))
-    with local_ray(8, namespace="pdserve-tp-fault"), pdserve_router(cfg, timeout_s=300) as router:
+    with pdserve_router(cfg, timeout_s=300) as router:
         workers = ray.get(router.workers.remote())
         victim = workers["pdserve-decode-0"]
         followers = ray.get(victim.tp_followers.remote())
@@ -125,8 +155,15 @@ def test_a_follower_killed_mid_stream_moves_its_workers_requests(model):
         assert after["migrations"] > before["migrations"]
         with pytest.raises(ray.exceptions.RayActorError):  # rank 0 took itself down
             ray.get(victim.ping.remote(), timeout=30)
-        wait_for(lambda: _pg_state("pdserve-decode-0"), lambda s: s in (None, "REMOVED"), timeout_s=30,
+        wait_for(lambda: _live_pg("pdserve-decode-0"), lambda live: not live, timeout_s=30,
                  what="the dead worker's placement group removed")
         wait_for(lambda: ray.get(router.stats.remote())["pools"]["decode"]["ready"], lambda n: n == 2,
                  timeout_s=180, what="a replacement TP decode worker ready")
         wait_no_leaks(router)
+        # Killing a worker (rank 0) ends its follower and its placement group too.
+        workers = ray.get(router.workers.remote())
+        other = next(w for w in workers if w.startswith("pdserve-decode") and w != "pdserve-decode-0")
+        its_followers = ray.get(workers[other].tp_followers.remote())
+        ray.kill(workers[other])
+        _assert_gone(its_followers)
+        wait_for(lambda: _live_pg(other), lambda live: not live, timeout_s=60, what=f"{other}'s placement group removed")
