@@ -15,6 +15,7 @@ from deployments.app import build_app, build_grpc_app
 from deployments.cli import build_parser
 from deployments.config import ServeConfig, ServeConfigError, serve_settings
 from deployments.config_fields import Kind, Setting
+from deployments.console import process_map
 from deployments.serve_cli import LaunchOptions, launch_settings, split_args
 from engine import EngineConfig
 from engine.errors import EngineConfigError
@@ -140,6 +141,7 @@ def test_tensor_parallel_degree_is_per_role():
     assert cfg.engine_config("prefill").tensor_parallel_size == 2
     assert cfg.engine_config("decode").tensor_parallel_size == 4
     assert _parse_serve(["--prefill-tp", "2", "--decode-tp", "4"])[1] == {"prefill_tp": 2, "decode_tp": 4}
+    assert process_map("disagg", cfg).endswith("prefill(1, cpu, tp 2) =gloo=> decode(1, cpu, tp 4)")
     with pytest.raises(ServeConfigError, match="set prefill_tp and decode_tp instead"):
         ServeConfig.from_dict({"tensor_parallel_size": 2})
     with pytest.raises(ServeConfigError, match="decode_tp must be an integer >= 1, got 0"):
