@@ -14,6 +14,10 @@ channel of its own. Below, "prefill" and "decode" name the usual direction.
     receive, check header, unpack, ack  --------------->  release_prefilled(request) on ack
     return block ids -> KVLending.add_prefilled_request
 
+A tensor-parallel worker (rank 0 of its group) sends and receives blocks with every KV head
+(`wire_layout`): its exporter gathers them from its ranks before the send, its importer scatters
+them to its ranks after the receive (engine/parallel/kv_shards.py), so workers of any TP degrees pair.
+
 Any failure raises a `kv_transfer.KVTransferError` subclass on the decode side with the blocks on both
 sides freed (the exporter frees on its own failures; a pull that fails before the push starts tells
 it to); the caller re-prefills the request. Leases expire as the last resort (`reap_expired`).
