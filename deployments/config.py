@@ -29,7 +29,8 @@ ALIASES: dict[str, str] = {"prefill_workers": "num_prefill_workers", "decode_wor
                            "threads_per_worker": "num_threads", "prefix_caching": "enable_prefix_caching",
                            "host": "http_host", "port": "http_port"}
 # Engine settings the server sets per role itself: {engine field: the server setting to use instead}.
-SERVER_SET: dict[str, str] = {"max_prefill_tokens_per_step": "decode_max_prefill_tokens"}
+SERVER_SET: dict[str, str] = {"max_prefill_tokens_per_step": "decode_max_prefill_tokens",
+                              "tensor_parallel_size": "prefill_tp and decode_tp"}
 # Every worker's engine unless told otherwise: one torch thread, so two workers on two cores do not fight.
 DEFAULT_ENGINE = EngineConfig(num_threads=1)
 
@@ -84,6 +85,16 @@ class ServeConfig:
     num_decode_workers: int = setting(1, "decode pool size at start")
     worker_num_cpus: float = setting(1.0, "Ray CPUs per worker actor")
     worker_num_gpus: float = setting(0.0, "Ray GPUs per worker actor (1 on GPU nodes)")
+    prefill_tp: int = setting(
+        1, "tensor-parallel ranks per prefill worker: its model split over that many Ray actors on one node",
+        doc="See Tensor parallelism. A worker of N ranks is one placement group of N bundles (STRICT_PACK: one "
+            "node), each bundle `worker_num_cpus` CPUs and `worker_num_gpus` GPUs; rank 0 is the worker the "
+            "router sees, the other ranks are actors it starts. Must divide the model's attention heads, "
+            "intermediate size and KV heads (or be a multiple of the KV heads)")
+    decode_tp: int = setting(
+        1, "tensor-parallel ranks per decode worker (colocated: every worker); may differ from prefill_tp",
+        doc="See Tensor parallelism. KV moves between pools of different degrees with every KV head "
+            "(rank 0 of each side gathers from or scatters to its ranks)")
     prefill_resources: dict[str, float] = setting(
         help_text="custom Ray resources per prefill worker, as JSON", default_factory=dict,
         doc='`--cluster-resources` sets {"prefill": 0.01}, which pins the pool to the `prefill` node type '
@@ -243,7 +254,18 @@ class ServeConfig:
                 self.ingress_max_replicas < self.ingress_replicas:
             raise ServeConfigError(f"need 1 <= ingress_replicas ({self.ingress_replicas}) <= ingress_max_replicas "
                                    f"({self.ingress_max_replicas})")
+        if self.engine.tensor_parallel_size != 1:
+            raise ServeConfigError(f"engine.tensor_parallel_size={self.engine.tensor_parallel_size}: the server sets it per "
+                                   "worker role; set prefill_tp and decode_tp instead")
+        for name in ("prefill_tp", "decode_tp"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ServeConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if max(self.prefill_tp, self.decode_tp) > 1 and not (self.worker_num_cpus > 0 or self.worker_num_gpus > 0):
+            raise ServeConfigError("prefill_tp / decode_tp > 1 need worker_num_cpus or worker_num_gpus > 0: each rank's "
+                                   "placement-group bundle holds that much")
         self.engine_config("decode")  # checks the engine fields too
+        self.engine_config("prefill")
 
     def _check_resources(self) -> None:
         for name in ("prefill_resources", "decode_resources", "router_resources", "ingress_resources"):
@@ -320,9 +342,14 @@ class ServeConfig:
 
     def engine_config(self, role: str = "prefill") -> EngineConfig:
         """The engine settings of a `role` worker: a decode worker next to a prefill pool caps the
-        prompt tokens of each step (`decode_max_prefill_tokens`); colocated, it is the whole engine."""
+        prompt tokens of each step (`decode_max_prefill_tokens`); colocated, it is the whole engine.
+        Its `tensor_parallel_size` is the role's `prefill_tp` / `decode_tp`."""
         cap = self.decode_max_prefill_tokens if role == "decode" and not self.colocated else None
-        return replace(self.engine, max_prefill_tokens_per_step=cap)
+        return replace(self.engine, max_prefill_tokens_per_step=cap, tensor_parallel_size=self.tp_size(role))
+
+    def tp_size(self, role: str) -> int:
+        """Tensor-parallel ranks of a `role` ("prefill" / "decode") worker."""
+        return self.decode_tp if role == "decode" else self.prefill_tp
 
     @property
     def served_model_name(self) -> str:

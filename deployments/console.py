@@ -20,6 +20,12 @@ def kv_transport(cfg: ServeConfig) -> str:
     return "nccl" if cfg.worker_num_gpus >= 1 else "gloo-staged"
 
 
+def _tp(cfg: ServeConfig, role: str) -> str:
+    """", tp N" for a pool of N-rank workers (each a placement group of N actors), else nothing."""
+    n = cfg.tp_size(role)
+    return f", tp {n}" if n > 1 else ""
+
+
 def process_map(layout: str, cfg: ServeConfig) -> str:
     """One line: the processes of `layout` under `cfg`, its pools and its KV transport, e.g.
     `pdserve: layout=disagg  ingress(1) -> router(1) -> prefill(1, cpu) =gloo=> decode(1, cpu)`."""
@@ -29,10 +35,10 @@ def process_map(layout: str, cfg: ServeConfig) -> str:
         return (f"pdserve: layout=single  http+engine(1 process, {threads} thread{'s' * (threads > 1)}, {device}), "
                 "no Ray, no KV transfer")
     ingress = f"ingress({_count(cfg.ingress_replicas, cfg.ingress_max_replicas)}) -> router(1)"
-    decode = f"decode({_count(cfg.num_decode_workers, cfg.pool_bounds('decode')[1])}, {device}"
+    decode = f"decode({_count(cfg.num_decode_workers, cfg.pool_bounds('decode')[1])}, {device}{_tp(cfg, 'decode')}"
     if cfg.colocated:
         return f"pdserve: layout=colocated  {ingress} -> {decode}, prefills too), no KV transfer"
-    prefill = f"prefill({_count(cfg.num_prefill_workers, cfg.pool_bounds('prefill')[1])}, {device})"
+    prefill = f"prefill({_count(cfg.num_prefill_workers, cfg.pool_bounds('prefill')[1])}, {device}{_tp(cfg, 'prefill')})"
     return f"pdserve: layout=disagg  {ingress} -> {prefill} ={kv_transport(cfg)}=> {decode})"
 
 

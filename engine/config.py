@@ -137,8 +137,8 @@ class EngineConfig:
             "they are then replicated). `kv_cache_memory_mb` is per rank, and a rank's KV block holds only its "
             "KV heads. Offline: `LLM(..., tensor_parallel_size=2)` or `engine.parallel.launch_local` start "
             "the follower processes on this host (on a CPU, `num_threads` unset gives each rank an equal "
-            "share of the cores); the serving layouts do not start them yet. CUDA graphs are "
-            "off under it (every step eager)", cli=False)
+            "share of the cores); served, the server sets it per worker role from `prefill_tp` / "
+            "`decode_tp`. CUDA graphs are off under it (every step eager)", cli=False)
     num_threads: int | None = setting(None, "torch intra-op threads of this engine", default_doc="torch's")
     seed: int = setting(0, "seeds the requests that ask for sampling without a seed", cli=False)
     speculative_method: SpeculativeMethod = setting(

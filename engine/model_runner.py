@@ -206,7 +206,10 @@ class ModelRunner:
             if logits is not None:
                 return StepLogits(logits, {})
         if self.tp.world > 1:
-            self.tp.send(StepMessage(hs))
+            with self.tp.lock:  # NOTE: the step message and its collectives, not interleaved with a KV gather
+                self.tp.send(StepMessage(hs))
+                with attention_backends(self.device):
+                    return self.run_eager(hs)
         with attention_backends(self.device):
             return self.run_eager(hs)
 
@@ -229,10 +232,13 @@ class ModelRunner:
     def close(self) -> None:
         """Rank 0 of a TP group: tell the followers to stop, and leave the group (idempotent)."""
         if self.tp.world > 1 and self.tp.rank == 0 and not self.tp.closed:
+            held = self.tp.lock.acquire(timeout=30.0)  # a KV gather under way ends first (or its peer died)
             try:
                 self.tp.send(ShutdownMessage(), is_step=False)
             finally:
                 self.tp.close()
+                if held:
+                    self.tp.lock.release()
 
     def _prompt_logprobs(self, h: torch.Tensor, delta: torch.Tensor, span: PromptSpan) -> list[TokenLogprob]:
         """The logprobs of `span`'s target tokens from the final hidden states at its rows, a slice of rows

@@ -5,6 +5,7 @@ The Ray glue (deployments/cluster/kv_endpoint.py) only adds channel set-up and t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -25,9 +26,14 @@ class KVSender:
     ack and on any failure (the request is then re-prefilled), except when the handle is stale
     (`EpochMismatchError`): the newer grant keeps them."""
 
-    def __init__(self, transport: Transport, kv_cache: torch.Tensor, leases: LeaseTable, timeout_s: float = 30.0):
-        assert leases.layout == KVLayout.of(kv_cache)
+    def __init__(self, transport: Transport, kv_cache: torch.Tensor, leases: LeaseTable, timeout_s: float = 30.0,
+                 gather: Callable[[list[int]], torch.Tensor] | None = None):
+        """`gather(block_ids)`: the blocks' KV in `leases.layout` (every KV head), where `kv_cache` holds
+        only part of it (rank 0 of a tensor-parallel worker: engine.parallel.kv_shards); None: the
+        blocks are sent straight from `kv_cache`, whose layout is the lease table's."""
+        assert gather is not None or leases.layout == KVLayout.of(kv_cache)
         self.transport, self.kv_cache, self.leases, self.timeout_s = transport, kv_cache, leases, timeout_s
+        self.gather = gather
         self.num_sent = 0
         self.num_failed = 0
         self.bytes_sent = 0
@@ -56,7 +62,12 @@ class KVSender:
                     self.transport.drop(peer, channel)
                 raise
             try:
-                send_kv(channel, self.kv_cache, live, timeout_s)
+                if self.gather is None:
+                    send_kv(channel, self.kv_cache, live, timeout_s)
+                else:  # the gathered blocks are one run 0..n-1 of their own tensor: sent with no copy
+                    full = self.gather(list(live.block_ids))
+                    send_kv(channel, full, dataclasses.replace(live, block_ids=tuple(range(live.num_blocks))),
+                            timeout_s)
             except BaseException:
                 self.num_failed += 1
                 self.transport.drop(peer, channel)
@@ -78,9 +89,15 @@ class KVReceiver:
 
     def __init__(self, transport: Transport, kv_cache: torch.Tensor,
                  allocate: Callable[[int], list[int] | None], free: Callable[[list[int]], object],
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, layout: KVLayout | None = None,
+                 scatter: Callable[[list[int], torch.Tensor], object] | None = None):
+        """`layout` and `scatter(block_ids, blocks)`: where `kv_cache` holds only part of each block
+        (rank 0 of a tensor-parallel worker), the full `layout` travels and `scatter` writes received
+        blocks into every rank's cache; None: blocks land straight in `kv_cache`."""
         self.transport, self.kv_cache, self.timeout_s = transport, kv_cache, timeout_s
-        self.layout = KVLayout.of(kv_cache)
+        assert (layout is None) == (scatter is None)
+        self.layout = layout or KVLayout.of(kv_cache)
+        self.scatter = scatter
         self._allocate, self._free = allocate, free
         self.num_received = 0
         self.num_failed = 0
@@ -112,15 +129,23 @@ class KVReceiver:
             with channel.lock:
                 started = True
                 start_push()
+                # With `scatter`: into a full-layout buffer (ids 0..n-1: no copy), then to the ranks.
+                dst, dst_ids = self.kv_cache, block_ids
+                if self.scatter is not None:
+                    dst = torch.empty(self.layout.packed_shape(handle.num_blocks), dtype=self.layout.torch_dtype,
+                                      device=self.kv_cache.device)
+                    dst_ids = list(range(handle.num_blocks))
                 try:
                     # posted while the push request travels: no message waits for its receive
-                    posted = post_recv_kv(channel, self.kv_cache, handle, block_ids)
-                    recv_kv(channel, self.kv_cache, handle, block_ids, timeout_s, posted)
+                    posted = post_recv_kv(channel, dst, handle, dst_ids)
+                    recv_kv(channel, dst, handle, dst_ids, timeout_s, posted)
                 except (LeaseExpiredError, EpochMismatchError):
                     raise  # refused by a status header: the stream is still in step
                 except BaseException:
                     self.transport.drop(handle.worker_id, channel)
                     raise
+            if self.scatter is not None:
+                self.scatter(block_ids, dst)
         except BaseException:
             self.num_failed += 1
             if block_ids is not None:

@@ -26,12 +26,14 @@ from deployments.cluster.traces import WorkerTraces
 from deployments.cluster.core_share import CoreShare, node_cores, share_dir
 from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
+from deployments.cluster.tp_ranks import Ranks, exit_on_failed_step
 from deployments.config import ServeConfig
 from deployments.engine_host import EngineHost, HostHooks
 from deployments.frontend.hub_wire import HubAddress, HubClient, hub_client
 from engine import LLMEngine, RequestOutput
 from engine.kv_lending import KVLending
 from engine.device_health import is_device_fatal
+from engine.parallel.worker import check_tp_model
 from kv_transfer import KVHandle, KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -111,7 +113,18 @@ class EngineWorker:
         self.router = router
         tracing.configure(config.otlp_endpoint, config.trace_exporter, f"pdserve-{self.role.value}")
         self.traces = WorkerTraces(worker_id)  # spans of traced requests (cluster/traces.py)
-        self.engine = LLMEngine(config.engine_config(self.role.value))
+        engine_config = config.engine_config(self.role.value)
+        # Tensor parallelism: this actor is rank 0; it starts the other ranks in its placement group.
+        self.ranks: Ranks | None = None
+        if engine_config.tensor_parallel_size > 1:
+            check_tp_model(engine_config)  # a size the model cannot split: refused before any rank starts
+            self.ranks = Ranks(worker_id, engine_config, config.worker_num_cpus, config.worker_num_gpus)
+        try:
+            self.engine = LLMEngine(engine_config, tp_group=self.ranks.group if self.ranks else None)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
         self.lending = KVLending(self.engine)  # the engine's side of KV transfer
         on_cpu = torch.device(self.engine.config.device).type == "cpu"
         share = _node_core_share(worker_id, config) if on_cpu and config.share_node_cores else None
@@ -212,6 +225,10 @@ class EngineWorker:
     def ping(self) -> str:
         return self.worker_id
 
+    def tp_followers(self) -> list[Any]:
+        """The actors of this worker's ranks 1..N-1 (tests, tools); [] for a TP-1 worker."""
+        return list(self.ranks.actors) if self.ranks is not None else []
+
     def abort(self, request_id: str, attempt: int | None = None, in_flight: bool = False) -> bool:
         """End `request_id` here: only its attempt `attempt`, if given (the router gave up on that one
         and may have placed the next one here already). `in_flight`: the call that brings it here
@@ -236,6 +253,8 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self.host.stop(timeout_s=0.0)
+        if self.ranks is not None:
+            self.ranks.kill()  # closing: their ends are no failure (the router removes the placement group)
         self._closed.set()
 
     def num_requests(self) -> int:
@@ -289,6 +308,8 @@ class EngineWorker:
         self._after_step(outs, stats)
 
     def _step_failed(self, exc: BaseException) -> None:
+        if self.ranks is not None:
+            exit_on_failed_step(self.worker_id, exc)
         # NOTE: the client sees a generic message; the exception text stays in the worker's log. Only the
         # requests the step held end (`LLMEngine.step_request_ids`; all of them if it failed before it
         # scheduled), as in the single-process layout: the others keep going.

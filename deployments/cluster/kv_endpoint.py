@@ -14,6 +14,10 @@ channel of its own. Below, "prefill" and "decode" name the usual direction.
     receive, check header, unpack, ack  --------------->  release_prefilled(request) on ack
     return block ids -> KVLending.add_prefilled_request
 
+A tensor-parallel worker (rank 0 of its group) sends and receives blocks with every KV head
+(`wire_layout`): its exporter gathers them from its ranks before the send, its importer scatters
+them to its ranks after the receive (engine/parallel/kv_shards.py), so workers of any TP degrees pair.
+
 Any failure raises a `kv_transfer.KVTransferError` subclass on the decode side with the blocks on both
 sides freed (the exporter frees on its own failures; a pull that fails before the push starts tells
 it to); the caller re-prefills the request. Leases expire as the last resort (`reap_expired`).
@@ -40,6 +44,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -60,6 +66,24 @@ logger = logging.getLogger(__name__)
 
 def _node_ip(host: str | None) -> str:
     return host or ray.util.get_node_ip_address()
+
+
+def _tp_runner(engine: LLMEngine) -> Any:
+    """The engine's runner when it is rank 0 of a tensor-parallel group (its cache holds only rank 0's
+    KV heads), else None."""
+    runner = engine.runner
+    return runner if runner.tp.world > 1 else None
+
+
+def wire_layout(engine: LLMEngine) -> KVLayout:
+    """The layout blocks travel in: every KV head of the model, whatever each side's TP degree
+    (rank 0 gathers from / scatters to its followers: engine.parallel.kv_shards)."""
+    layout = KVLayout.of(engine.runner.kv_cache)
+    if _tp_runner(engine) is None:
+        return layout
+    from engine.parallel.kv_shards import full_kv_heads
+
+    return dataclasses.replace(layout, num_kv_heads=full_kv_heads(engine.runner.config))
 
 
 def _transport(device: Any, node_ip: str, timeout_s: float, compute_stream: Any = None) -> Any:
@@ -89,8 +113,14 @@ class KVExporter:
         # per peer: gloo for a CPU cache; NCCL, or staged gloo for a peer on the same GPU, for a CUDA one
         stream = getattr(engine.runner, "compute_stream", None)  # CUDA: the engine's stream
         self.transport = _transport(kv_cache.device, _node_ip(host), timeout_s, stream)
-        self.leases = LeaseTable(worker_id, KVLayout.of(kv_cache), self._release_blocks, lease_s)
-        self.sender = KVSender(self.transport, kv_cache, self.leases, timeout_s)
+        self.leases = LeaseTable(worker_id, wire_layout(engine), self._release_blocks, lease_s)
+        tp = _tp_runner(engine)
+        gather = None
+        if tp is not None:
+            from engine.parallel.kv_shards import gather_kv
+
+            gather = functools.partial(gather_kv, tp)
+        self.sender = KVSender(self.transport, kv_cache, self.leases, timeout_s, gather=gather)
 
     def _release_blocks(self, request_id: str) -> None:
         # NOTE: never wait for the engine lock here: the prefill loop holds it for a whole step
@@ -218,7 +248,14 @@ class KVImporter:
         self.timeout_s = timeout_s
         self.transport = _transport(engine.runner.kv_cache.device, _node_ip(host), timeout_s,
                                     getattr(engine.runner, "compute_stream", None))
-        self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s)
+        tp = _tp_runner(engine)
+        shards = {}
+        if tp is not None:
+            from engine.parallel.kv_shards import scatter_kv
+
+            shards = {"layout": wire_layout(engine), "scatter": functools.partial(scatter_kv, tp)}
+        self.receiver = KVReceiver(self.transport, engine.runner.kv_cache, self._allocate, self._free, timeout_s,
+                                   **shards)
         # per exporting peer: transport, probe and live GB/s, transfers, failures by cause (/health, metrics)
         self.pairs = PairBook(worker_id, metrics.KVPairMetrics())
         self._open_locks: dict[str, threading.Lock] = {}

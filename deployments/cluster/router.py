@@ -44,6 +44,7 @@ from deployments.cluster.prefix_index import PrefixIndex
 from deployments.cluster.recovery import MovedSettling, Recovery, Requeue
 from deployments.cluster.router_calls import RouterCalls
 from deployments.cluster.state import RouterState, Stage, Tracked, WorkerView
+from deployments.cluster.tp_ranks import create_placement_group, remove_worker_placement_group, scheduling
 from deployments.config import ServeConfig
 from kv_transfer import KVHandle
 
@@ -122,10 +123,21 @@ class Router(RouterCalls):
         c = self.config
         cls, resources = (PrefillWorker, c.prefill_resources) if w.role is Role.PREFILL else \
             (DecodeWorker, c.decode_resources)
+        # A tensor-parallel worker: a placement group of one bundle per rank, the worker in bundle 0
+        # (it starts the other ranks in the others: tp_ranks.py). TP 1: placed as any actor.
+        pg = create_placement_group(w.worker_id, c, w.role.value, dict(resources))
         self.actors[w.worker_id] = cls.options(
             name=w.worker_id, namespace=self.namespace, lifetime="detached", num_cpus=c.worker_num_cpus,
-            num_gpus=c.worker_num_gpus, resources=dict(resources) or None).remote(w.worker_id, c, self.me)
+            num_gpus=c.worker_num_gpus, resources=dict(resources) or None,
+            **scheduling(pg, 0)).remote(w.worker_id, c, self.me)
         return w
+
+    def _kill_worker(self, worker_id: str, actor: Any) -> None:
+        """End a worker actor and, for a tensor-parallel one, its placement group (and the ranks in it)."""
+        with contextlib.suppress(Exception):  # already dead
+            ray.kill(actor)
+        if max(self.config.prefill_tp, self.config.decode_tp) > 1:
+            remove_worker_placement_group(worker_id)
 
     async def _until_ready(self, w: WorkerView) -> None:
         w.info = await asyncio.wait_for(self.actors[w.worker_id].info.remote(), WORKER_START_TIMEOUT_S)
@@ -240,10 +252,7 @@ class Router(RouterCalls):
         n = len(self.state.pools[w.role])
         self.pools.record(w.role, PoolAction.DRAINED if w.draining else PoolAction.REPLACE, n + 1, n,
                           f"{w.worker_id} died")
-        try:
-            ray.kill(actor)
-        except Exception:  # noqa: BLE001
-            pass
+        self._kill_worker(w.worker_id, actor)
         lost = self.recovery.lost_on(w)
         # The clients' tokens, fetched at once: a moved sequence recomputes its prompt plus these.
         delivered = await asyncio.gather(*[self._delivered(t.req) for t, _ in lost])
@@ -280,8 +289,7 @@ class Router(RouterCalls):
         except (ray.exceptions.RayActorError, asyncio.TimeoutError) as exc:
             if not self.state.remove_worker(w):
                 return
-            with contextlib.suppress(Exception):
-                ray.kill(self.actors.pop(w.worker_id))
+            self._kill_worker(w.worker_id, self.actors.pop(w.worker_id))
             self._forget_peer(w.worker_id)
             n = len(self.state.pools[w.role])
             self.pools.record(w.role, PoolAction.REPLACE, n + 1, n, f"{w.worker_id} failed to start: {exc!r:.200}")
@@ -302,7 +310,7 @@ class Router(RouterCalls):
                     await asyncio.wait_for(actor.close.remote(), 10)
                 except Exception:  # noqa: BLE001
                     pass
-                ray.kill(actor)
+                self._kill_worker(w.worker_id, actor)
             await self._rebalance_prefill()
 
     async def _rebalance_prefill(self) -> None:
@@ -334,11 +342,8 @@ class Router(RouterCalls):
     async def shutdown(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for actor in self.actors.values():
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001
-                pass
+        for worker_id, actor in self.actors.items():
+            self._kill_worker(worker_id, actor)
         self.actors.clear()
         for pool in self.state.pools.values():
             pool.clear()

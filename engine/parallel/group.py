@@ -21,6 +21,7 @@ import datetime
 import logging
 import pickle
 import socket
+import threading
 import time
 from typing import Any
 
@@ -82,6 +83,10 @@ class TPGroup:
         self._seq = 0  # messages sent (rank 0) or received (followers)
         self._last_was_step = False
         self.closed = False
+        # NOTE: rank 0 holds it from a message's send to the end of the collectives that answer it (a
+        # step's forward, a KV gather or scatter): the ranks must see one message stream and call the
+        # collectives in one order, and rank 0's threads (the step loop, a KV transfer) take turns.
+        self.lock = threading.RLock()
 
     @classmethod
     def single(cls) -> TPGroup:
@@ -133,6 +138,33 @@ class TPGroup:
             return torch.cat(parts, dim=-1)
         self.pg.gather([], [t], opts).wait(_td(self.timeout_s))
         return None
+
+    def gather_list(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0: every rank's `t` (same shape and dtype on every rank), in rank order; others: None."""
+        if self.world == 1:
+            return [t]
+        t = t.contiguous()
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            parts = [torch.empty_like(t) for _ in range(self.world)]
+            self.pg.gather([parts], [t], opts).wait(_td(self.timeout_s))
+            return parts
+        self.pg.gather([], [t], opts).wait(_td(self.timeout_s))
+        return None
+
+    def scatter_list(self, parts: list[torch.Tensor] | None, out: torch.Tensor) -> torch.Tensor:
+        """Rank 0 passes one tensor per rank (each shaped like `out`); every rank gets its own in `out`."""
+        if self.world == 1:
+            return out.copy_(parts[0])
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            assert parts is not None and len(parts) == self.world
+            self.pg.scatter([out], [[p.contiguous() for p in parts]], opts).wait(_td(self.timeout_s))
+        else:
+            self.pg.scatter([out], [], opts).wait(_td(self.timeout_s))
+        return out
 
     def min_int(self, value: int) -> int:
         """The smallest of the ranks' `value`s (every rank gets it)."""

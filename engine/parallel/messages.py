@@ -15,3 +15,15 @@ class StepMessage(NamedTuple):
 
 class ShutdownMessage(NamedTuple):
     """Rank 0 is closing: leave the loop."""
+
+
+class KVGatherMessage(NamedTuple):
+    """Send your slice of these blocks' KV heads to rank 0 (`engine.parallel.kv_shards`)."""
+
+    block_ids: tuple[int, ...]
+
+
+class KVScatterMessage(NamedTuple):
+    """Receive your slice of these blocks' KV heads from rank 0 and write it into your cache."""
+
+    block_ids: tuple[int, ...]

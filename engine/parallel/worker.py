@@ -24,7 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import EngineConfigError
 from engine.parallel.group import DEFAULT_TIMEOUT_S, LeaderGone, TPGroup, leader_store
-from engine.parallel.messages import ShutdownMessage, StepMessage
+from engine.parallel.messages import KVGatherMessage, KVScatterMessage, ShutdownMessage, StepMessage
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,10 @@ def run_follower(config: EngineConfig, rank: int, world: int, init_method: str,
                 return "leader gone"
             if isinstance(msg, ShutdownMessage):
                 return "shutdown"
+            if isinstance(msg, (KVGatherMessage, KVScatterMessage)):
+                from engine.parallel.kv_shards import follow_kv
+                follow_kv(runner, msg)
+                continue
             if not isinstance(msg, StepMessage):
                 raise TypeError(f"TP rank {rank}: unknown message {type(msg).__name__}")
             with torch.inference_mode(), attention_backends(runner.device):
@@ -92,22 +96,15 @@ def launch_local(config: EngineConfig, world: int | None = None, timeout_s: floa
     `engine.close()` stops them; so does this process ending. On a CPU, `num_threads` unset gives
     each rank an equal share of the host's cores."""
     import torch.multiprocessing as mp
-    from transformers import AutoConfig
 
     from engine.llm_engine import LLMEngine
-    from engine.model_loader import resolve_model_dir
-    from engine.models.sharding import check_tp_shapes
 
     world = config.tensor_parallel_size if world is None else world
     config = replace(config, tensor_parallel_size=world)  # validated here
     if config.num_threads is None and torch.device(config.device).type == "cpu":
         # N processes with torch's default (every core each) would oversubscribe the host's cores.
         config = replace(config, num_threads=max(1, (os.cpu_count() or 1) // world))
-    # The shapes first, before any process starts (a GGUF model is converted once here, and the
-    # followers find it converted).
-    load_dtype = "float32" if config.dtype == "bfloat16" and config.device == "cpu" else config.dtype
-    model_dir = resolve_model_dir(config.model, getattr(torch, load_dtype), config.cache_dir)
-    check_tp_shapes(AutoConfig.from_pretrained(model_dir), world)
+    check_tp_model(config)
     if world == 1:
         return LLMEngine(config)
     store, init_method = leader_store(world, host, timeout_s)
@@ -126,6 +123,20 @@ def launch_local(config: EngineConfig, world: int | None = None, timeout_s: floa
     engine._on_close.append(lambda: _stop(procs, JOIN_TIMEOUT_S))
     engine.follower_pids = [p.pid for p in procs]
     return engine
+
+
+def check_tp_model(config: EngineConfig) -> None:
+    """`EngineConfigError` naming the field if the model cannot be split over
+    `config.tensor_parallel_size` ranks: checked before any rank starts (a GGUF model is converted
+    once here, and the followers find it converted)."""
+    from transformers import AutoConfig
+
+    from engine.model_loader import resolve_model_dir
+    from engine.models.sharding import check_tp_shapes
+
+    load_dtype = "float32" if config.dtype == "bfloat16" and config.device == "cpu" else config.dtype
+    model_dir = resolve_model_dir(config.model, getattr(torch, load_dtype), config.cache_dir)
+    check_tp_shapes(AutoConfig.from_pretrained(model_dir), config.tensor_parallel_size)
 
 
 def _join_watching(procs, join):

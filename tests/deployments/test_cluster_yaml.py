@@ -34,7 +34,10 @@ def test_cluster_yaml_passes_ray_validation(cluster):
 
 def test_node_types_carry_the_pool_resources(cluster):
     types = prepare_config(copy.deepcopy(cluster))["available_node_types"]
-    assert set(types) == {"head", "prefill", "decode"}
+    assert set(types) == {"head", "prefill", "decode", "gpu8"}
+    # the tensor-parallel node type: 8 GPUs on one node for a worker's placement group, none kept idle
+    assert types["gpu8"]["resources"]["GPU"] == 8 and types["gpu8"]["resources"]["gpu8"] == 1
+    assert types["gpu8"]["min_workers"] == 0
     assert types["head"]["max_workers"] == 0 and not types["head"]["resources"].get("GPU")
     for pool in ("prefill", "decode"):
         spec = types[pool]

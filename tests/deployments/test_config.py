@@ -15,7 +15,9 @@ from deployments.app import build_app, build_grpc_app
 from deployments.cli import build_parser
 from deployments.config import ServeConfig, ServeConfigError, serve_settings
 from deployments.config_fields import Kind, Setting
+from deployments.console import process_map
 from deployments.serve_cli import LaunchOptions, launch_settings, split_args
+from engine import EngineConfig
 from engine.errors import EngineConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,11 +132,26 @@ def test_every_flag_is_a_setting_or_a_launch_option():
         name = flag[2:].replace("-", "_")
         names.add(name[3:] if name.startswith("no_") and name[3:] in bools else name)
     assert names == keys | launch
-    # ...and every YAML key that is not a flag is a declared tuning knob (tensor_parallel_size: no flag
-    # until the serving layer starts the follower ranks; an engine given it alone refuses to start).
+    # ...and every YAML key that is not a flag is a declared tuning knob (tensor_parallel_size is not a
+    # server setting at all: the server sets it per role from prefill_tp / decode_tp).
     assert {s.name for s in serve_settings() if not s.cli} == {"gguf_file", "num_kv_blocks", "batching",
-                                                                "max_wait_s", "seed", "cache_dir", "ops_backend",
-                                                                "tensor_parallel_size"}
+                                                                "max_wait_s", "seed", "cache_dir", "ops_backend"}
+
+
+def test_tensor_parallel_degree_is_per_role():
+    cfg = ServeConfig.from_dict({"prefill_tp": 2, "decode_tp": 4})
+    assert cfg.engine_config("prefill").tensor_parallel_size == 2
+    assert cfg.engine_config("decode").tensor_parallel_size == 4
+    assert _parse_serve(["--prefill-tp", "2", "--decode-tp", "4"])[1] == {"prefill_tp": 2, "decode_tp": 4}
+    assert process_map("disagg", cfg).endswith("prefill(1, cpu, tp 2) =gloo=> decode(1, cpu, tp 4)")
+    with pytest.raises(ServeConfigError, match="set prefill_tp and decode_tp instead"):
+        ServeConfig.from_dict({"tensor_parallel_size": 2})
+    with pytest.raises(ServeConfigError, match="decode_tp must be an integer >= 1, got 0"):
+        ServeConfig.from_dict({"decode_tp": 0})
+    with pytest.raises(ServeConfigError, match="worker_num_cpus or worker_num_gpus"):
+        ServeConfig.from_dict({"prefill_tp": 2, "worker_num_cpus": 0})
+    with pytest.raises(ServeConfigError, match="prefill_tp and decode_tp"):
+        ServeConfig(engine=EngineConfig(tensor_parallel_size=2))
 
 
 def test_the_defaults_of_the_flags_are_the_defaults_of_the_config(monkeypatch):

@@ -23,7 +23,7 @@ class _Engine:
 
 def _worker(cls, held, role=Role.PREFILL):
     w = cls.__new__(cls)
-    w.role, w.worker_id, w.lock = role, "w0", threading.RLock()
+    w.role, w.worker_id, w.lock, w.ranks = role, "w0", threading.RLock(), None  # ranks: not tensor-parallel
     w.engine = _Engine(held)
     w.requests = {rid: SimpleNamespace(request_id=rid, offset=0, hub="h") for rid in ("r1", "r2", "r3")}
     w.pushed, w.finished = [], []
