@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import signal
 import socket
@@ -203,3 +204,16 @@ def served_cli(args: Sequence[str], ready_timeout_s: float) -> Iterator[tuple[st
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(30)
+
+
+def read_until_every_choice(response: Any, num_choices: int) -> set[int]:
+    """Read an OpenAI SSE stream (an httpx streaming response) until every one of `num_choices`
+    choices has sent a chunk, or the stream ends; returns the choice indices seen."""
+    seen: set[int] = set()
+    for line in response.iter_lines():
+        if line.startswith("data: {"):
+            seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+        if len(seen) == num_choices:
+            break
+    return seen
+

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.config import ServeConfig
 from engine import EngineConfig
 from engine.parallel import TPGroup, leader_store
+from engine.parallel.worker import join_watching
 
 logger = logging.getLogger(__name__)
 
@@ -121,25 +122,11 @@ class Ranks:
 
     def _join(self, join):
         """The rendezvous, failing at once if a follower ends first (its model or device failed)."""
-        box: dict = {}
-
-        def target():
-            try:
-                box["group"] = join()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                box["error"] = e
-
-        t = threading.Thread(target=target, name=f"{self.worker_id}-tp-join", daemon=True)
-        t.start()
-        while t.is_alive():
-            t.join(0.2)
+        def gone() -> str | None:
             done, _ = ray.wait(self.runs, num_returns=1, timeout=0)
-            if done and t.is_alive():
-                raise RuntimeError(f"{self.worker_id}: a tensor-parallel rank ended before the group formed: "
-                                   f"{self._why(done[0])}")
-        if "error" in box:
-            raise box["error"]
-        return box["group"]
+            return f"{self.worker_id}: a rank ended ({self._why(done[0])})" if done else None
+
+        return join_watching(join, gone, name=f"{self.worker_id}-tp-join")
 
     @staticmethod
     def _why(ref) -> str:

@@ -129,15 +129,8 @@ class TPGroup:
         """Rank 0: the ranks' `t` concatenated along the last dim (rank order); other ranks: None."""
         if self.world == 1:
             return t
-        t = t.contiguous()
-        opts = dist.GatherOptions()
-        opts.rootRank = 0
-        if self.rank == 0:
-            parts = [torch.empty_like(t) for _ in range(self.world)]
-            self.pg.gather([parts], [t], opts).wait(_td(self.timeout_s))
-            return torch.cat(parts, dim=-1)
-        self.pg.gather([], [t], opts).wait(_td(self.timeout_s))
-        return None
+        parts = self.gather_list(t)
+        return torch.cat(parts, dim=-1) if parts is not None else None
 
     def gather_list(self, t: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0: every rank's `t` (same shape and dtype on every rank), in rank order; others: None."""

@@ -114,8 +114,8 @@ def launch_local(config: EngineConfig, world: int | None = None, timeout_s: floa
     for p in procs:
         p.start()
     try:
-        tp = _join_watching(procs, lambda: TPGroup.connect(0, world, init_method, rank_device(config.device, 0),
-                                                           timeout_s, store=store))
+        tp = join_watching(lambda: TPGroup.connect(0, world, init_method, rank_device(config.device, 0), timeout_s,
+                                                   store=store), lambda: _exited(procs))
         engine = LLMEngine(config, tp_group=tp)
     except BaseException:
         _stop(procs, 0.0)
@@ -139,9 +139,10 @@ def check_tp_model(config: EngineConfig) -> None:
     check_tp_shapes(AutoConfig.from_pretrained(model_dir), config.tensor_parallel_size)
 
 
-def _join_watching(procs, join):
-    """`join()` (the group's rendezvous) in a thread, failing at once if a follower process dies first
-    (an import error, a bad model path) instead of after the rendezvous timeout."""
+def join_watching(join, follower_gone, name: str = "pdserve-tp-rendezvous"):
+    """`join()` (the group's rendezvous) in a thread, failing at once when `follower_gone()` says a
+    follower ended first (an import error, a bad model path, a failed device: its reason, else None)
+    instead of after the rendezvous timeout. Used by this host's launcher and by Ray's TP workers."""
     import threading
 
     box: dict = {}
@@ -152,17 +153,21 @@ def _join_watching(procs, join):
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
 
-    t = threading.Thread(target=target, name="pdserve-tp-rendezvous", daemon=True)
+    t = threading.Thread(target=target, name=name, daemon=True)
     t.start()
     while t.is_alive():
         t.join(0.2)
-        dead = [p for p in procs if p.exitcode is not None]
-        if dead and t.is_alive():
-            raise RuntimeError(f"tensor parallelism: follower {dead[0].name} exited (code {dead[0].exitcode}) "
-                               "before the group formed; its log says why")
+        why = follower_gone() if t.is_alive() else None
+        if why:
+            raise RuntimeError(f"tensor parallelism: {why} before the group formed")
     if "error" in box:
         raise box["error"]
     return box["tp"]
+
+
+def _exited(procs) -> str | None:
+    dead = [p for p in procs if p.exitcode is not None]
+    return f"follower {dead[0].name} exited (code {dead[0].exitcode}; its log says why)" if dead else None
 
 
 def _stop(procs, join_timeout_s: float) -> None:

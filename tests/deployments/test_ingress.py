@@ -20,6 +20,7 @@ from deployments.frontend.backend import LocalEngineBackend, QueueFullError, Tok
 from deployments.frontend.http_app import build_openai_app, configure_openai_app
 from deployments.frontend.text_stream import IncrementalDetokenizer, StopStringFilter
 from engine import EngineConfig, LLMEngine, SamplingParams
+from helpers import read_until_every_choice
 
 MODEL = "smollm2"
 API_KEY = "sekret"
@@ -689,13 +690,7 @@ def test_a_fan_out_client_that_disconnects_has_every_sequence_aborted(engine, ba
             "ignore_eos": True, "temperature": 1.0, "stream": stream}
     if stream:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
-            seen = set()
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-                if len(seen) == 6:
-                    break
-        assert len(seen) == 6
+            assert len(read_until_every_choice(r, 6)) == 6
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=2.0))

@@ -15,7 +15,7 @@ from ray import serve
 
 from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app
 from engine import EngineConfig, LLMEngine, SamplingParams
-from helpers import free_port, local_serve, run_offline, wait_finished, wait_for, wait_no_leaks
+from helpers import free_port, local_serve, read_until_every_choice, run_offline, wait_finished, wait_for, wait_no_leaks
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = [
@@ -203,12 +203,7 @@ def test_a_fan_out_client_that_disconnects_has_every_sequence_aborted(server, st
             "max_tokens": 2000, "ignore_eos": True, "temperature": 1.0, "stream": stream}
     if stream:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-            seen = set()
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-                if len(seen) == 6:  # every sequence has started
-                    break
+            assert len(read_until_every_choice(r, 6)) == 6  # every sequence has started
     else:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=8))
