@@ -67,6 +67,40 @@ def test_http_chat_streams_from_another_host_as_offline(cluster, http_url):
     wait_no_leaks(router)
 
 
+def test_status_lists_each_hosts_workers_and_the_transport_between_them(cluster, http_url, capsys):
+    """`pdserve status` through the door on the head: every worker on the host its pool was pinned
+    to, and the KV pair from the prefill host to the decode host with its transport and transfers
+    (every prompt goes through the prefill pool here, so this request's KV crosses the veth link)."""
+    import json
+
+    import httpx
+
+    from deployments.cli import main
+
+    bed, _, _, config, _ = cluster
+    host_by_ip = {h.ip: name for name, h in bed.hosts.items()}
+    base = http_url.removesuffix("/v1")
+    r = httpx.post(f"{http_url}/completions", timeout=120, json={
+        "model": config.served_model_name, "prompt": "Hello there", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+    def doc() -> dict:
+        capsys.readouterr()
+        assert main(["status", "--url", base, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["router"]
+
+    got = wait_for(doc, lambda d: any(p["num_transfers"] > 0 for p in d["kv_pairs"]), timeout_s=30,
+                   what="a KV pair with transfers in the router's view")
+    assert {host_by_ip[w["node_ip"]] for w in got["prefill"].values()} == {"pre1"}, got["prefill"]
+    assert {host_by_ip[w["node_ip"]] for w in got["decode"].values()} == {"dec1"}, got["decode"]
+    pair = next(p for p in got["kv_pairs"] if p["num_transfers"] > 0)
+    assert pair["transport"] == "gloo" and pair["probe_gbps"] > 0, pair
+    assert main(["status", "--url", base]) == 0
+    text = capsys.readouterr().out
+    assert f"{pair['src']} -> {pair['dst']}" in text and "gloo" in text, text
+    print(text)  # the map of a two-host run, for the record (pytest -s)
+
+
 def test_the_stream_hub_lives_in_the_ingress_process(cluster, http_url):
     """No hub actor anywhere: each ingress replica holds its hub in its own process, and the workers
     on the other hosts send it tokens over the wire (the HTTP test above streamed through it)."""
