@@ -158,8 +158,17 @@ class _SSEResponse(StreamingResponse):
                     await self.stream.close()
 
 
+# Line separators other than CR / LF, escaped in every event (still the same JSON): SSE ends a line only
+# at CR or LF, but a client that splits lines with Python's str.splitlines() would cut an event at a raw
+# U+0085 / U+2028 / U+2029 in generated or echoed text (found by tests/deployments/test_edge_fuzz.py).
+_LINE_SEPARATORS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(payload: Any) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+    data = payload.model_dump_json()
+    if not data.isascii():
+        data = data.translate(_LINE_SEPARATORS)
+    return f"data: {data}\n\n"
 
 
 async def _sse_body(stream: FanOut, events: AsyncIterator[str]) -> AsyncIterator[str]:

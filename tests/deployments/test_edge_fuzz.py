@@ -19,6 +19,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import uuid
 from typing import Any
 
@@ -129,7 +130,11 @@ def check_http(http: httpx.Client, path: str, content: bytes) -> None:
         assert err["type"] == "invalid_request_error", err
         return
     if r.headers["content-type"].startswith("text/event-stream"):
-        events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+        # SSE ends a line at CR or LF only; the server also escapes U+0085/U+2028/U+2029, which
+        # str.splitlines() would split at, so a naive client's split is checked too.
+        lines = re.split(r"\r\n|\r|\n", body.decode())
+        assert lines == [ln for part in lines for ln in (part.splitlines() or [""])], "a raw line separator"
+        events = [line[6:] for line in lines if line.startswith("data: ")]
         assert events[-1] == "[DONE]", events[-3:]
         chunks = [json.loads(e) for e in events[:-1]]
         if any("error" in c for c in chunks):  # an in-band failure is a 5xx in all but the status

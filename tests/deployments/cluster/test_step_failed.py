@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from deployments.cluster.decode_worker import DecodeWorker
 from deployments.cluster.engine_worker import EngineWorker
+from conftest import Parts  # tests/deployments/cluster/conftest.py (at import: later the name is another's)
 from deployments.cluster.messages import Role
 
 
@@ -77,7 +78,6 @@ def test_a_refusal_naming_a_field_reaches_the_door_as_it_is(parts):
 def test_the_pending_decode_queue_is_fair_across_tenants():
     from deployments.cluster.placement import fair_pending
     from deployments.cluster.state import Stage
-    from conftest import Parts
 
     p = Parts(("p0", "d0"), prefix_aware_routing=False)
     for i in range(6):
