@@ -27,7 +27,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 # NOTE: exported_series is re-exported: callers read the names through this module too
 from deployments.metric_series import EXPORT_PREFIX, SERIES, Series, exported_series  # noqa: F401

@@ -1,9 +1,8 @@
 """gRPC is served only where HTTP is: Ray Serve's gRPC proxy listens on every interface (it takes no
-host), so `pdserve serve` refuses `--grpc-port` beside an HTTP bound to one address, before Ray starts."""
+host), so `pdserve serve` refuses `--grpc-port` beside an HTTP bound to one address, before Ray starts.
+And `pdserve: ready` is said only once the door answered through the advertised address."""
 
 from __future__ import annotations
-
-import pytest
 
 from deployments.cli import main
 from deployments.serve_cli import LaunchOptions, door_answer_error, grpc_bind_error
