@@ -178,10 +178,15 @@ class Scheduler:
         left = _Budget(budget, self.config.max_prefill_tokens_per_step or budget)
         reserve = 0
         self._heavy = None
-        if self.config.batching == "continuous" and has_tenants(self.waiting):
-            self._make_room_for_fair_share(out)
-            reserve = self._fair_reserve(left.prefill)
-        if self.config.batching == "continuous" and (has_tenants(self.running) or has_tenants(self.waiting)):
+        tenants_waiting = has_tenants(self.waiting)
+        if self.config.batching == "continuous" and (tenants_waiting or has_tenants(self.running)):
+            if tenants_waiting:
+                # Fair order once a step (the helpers below read its head; with no tenant waiting, any
+                # head has tenant None), again only after a preemption put a request back in the queue.
+                self.waiting = fair_order(self.waiting)
+                if self._make_room_for_fair_share(out):
+                    self.waiting = fair_order(self.waiting)
+                reserve = self._fair_reserve(left.prefill)
             self._heavy = self._heavy_tenants()
             self._heavy_left = max(self.block_manager.block_size, left.prefill // HEAVY_PREFILL_SHARE)
         slot_preemptions = len(out.preempted)
@@ -243,15 +248,16 @@ class Scheduler:
                 self._heavy_left -= num_new
             i += 1
 
-    def _make_room_for_fair_share(self, out: SchedulerOutput) -> None:
-        """With every sequence slot taken, the next waiting request in fair order takes one from the
-        heaviest tenant when that evens the shares out (engine/fair_share.py: `slot_victim`)."""
+    def _make_room_for_fair_share(self, out: SchedulerOutput) -> bool:
+        """With every sequence slot taken, the next waiting request in fair order (`waiting` is in fair
+        order) takes one from the heaviest tenant when that evens the shares out (engine/fair_share.py:
+        `slot_victim`). True: a request was preempted (back in `waiting`)."""
         if len(self.running) < self.config.max_num_seqs:
-            return
-        self.waiting = fair_order(self.waiting)
+            return False
         victim = slot_victim(self.waiting[0], self.running)
         if victim is not None:
             self._preempt(victim, out)
+        return victim is not None
 
     def _heavy_tenants(self) -> set[str | None] | None:
         """The tenants whose prompt tokens this step are capped (to 1/HEAVY_PREFILL_SHARE of the prompt
@@ -261,7 +267,7 @@ class Scheduler:
         not with a full budget of it: on a CPU a step's time grows with its tokens."""
         prompt_work = {r.tenant for r in self.running if r.num_tokens - r.num_computed_tokens > 1}
         if self.waiting:
-            prompt_work.add(fair_order(self.waiting)[0].tenant)
+            prompt_work.add(self.waiting[0].tenant)  # in fair order (`schedule`)
         if len(prompt_work) < 2:
             return None
         use = weighted_use(self.running)
@@ -276,7 +282,7 @@ class Scheduler:
         budget before a waiting request is looked at. At most half the budget."""
         if len(self.running) >= self.config.max_num_seqs or not self.waiting:
             return 0
-        head = fair_order(self.waiting)[0]
+        head = self.waiting[0]  # in fair order (`schedule`)
         use = weighted_use(self.running)
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         if not any(use[r.tenant] > use[head.tenant] for r in prefilling):
