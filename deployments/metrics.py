@@ -27,7 +27,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 # NOTE: exported_series is re-exported: callers read the names through this module too
 from deployments.metric_series import EXPORT_PREFIX, SERIES, Series, exported_series  # noqa: F401
@@ -260,12 +260,14 @@ class KVPairMetrics:
     def __init__(self) -> None:
         self._last_refresh = 0.0
 
-    def refresh(self, pairs: list[Any]) -> None:
+    def refresh(self, pairs: Callable[[], list[Any]]) -> None:
+        """Set the pair gauges from `pairs()` (copies of the book's pairs), called only when due: this
+        runs after every decode step."""
         now = time.monotonic()
         if now - self._last_refresh < LOAD_REFRESH_S or (m := _get()) is None:
             return
         self._last_refresh = now
-        for pair in pairs:
+        for pair in pairs():
             tags = self._tags(pair)
             if pair.probe_gbps is not None:
                 m.pair_probe_gbps.set(pair.probe_gbps, tags=tags)

@@ -223,7 +223,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
     def _refresh_pair_gauges(self) -> None:
         pairs = self.kv_importer.pairs
         if pairs.version:
-            pairs.listener.refresh(pairs.pairs())
+            pairs.listener.refresh(pairs.pairs)  # copies made only when the gauges are due
 
     def _idle(self) -> None:
         self._refresh_pair_gauges()
