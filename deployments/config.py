@@ -162,6 +162,31 @@ class ServeConfig:
     downscale_delay_s: float = setting(15.0, "how long a scale-down signal must hold before acting",
                                        group="scaling")
     autoscale_interval_s: float = setting(0.5, "how often the router re-evaluates the pool sizes", group="scaling")
+    role_switching: bool = setting(
+        False, "workers change role (prefill <-> decode) as the load shifts, without reloading the model",
+        doc="A controller in the router moves one worker at a time from the pool with room to spare to the pool "
+            "over its targets (queued prompt tokens, decode slots and KV use, and ttft_target_ms / tpot_target_ms "
+            "where set); queue-depth autoscaling then adds workers only where switching cannot meet them. Needs a "
+            "prefill pool and prefill_tp = decode_tp. See docs/guides/role-switching.md",
+        group="roles")
+    ttft_target_ms: float | None = setting(
+        None, "the time to first token the role controller holds the prefill side to (none: queue depth only)",
+        doc="Measured by the router from a request's arrival to its prefilled KV (p90 of the last "
+            "role_switch_window_s)", group="roles")
+    tpot_target_ms: float | None = setting(
+        None, "the time per output token the role controller holds the decode side to (none: slots and KV only)",
+        doc="Measured as the decode workers' step times (p90 of the last role_switch_window_s)", group="roles")
+    role_switch_hold_s: float = setting(
+        3.0, "how long a shift must hold before a worker switches role (hysteresis)", group="roles")
+    role_switch_dwell_s: float = setting(
+        15.0, "the least time between two role switches: a switched worker keeps its role at least this long",
+        group="roles")
+    role_switch_drain_s: float = setting(
+        5.0, "how long a worker leaving the decode role lets its sequences finish before the rest move on",
+        doc="Moved sequences resume on the other decode workers from the tokens their clients have, as after a "
+            "worker's death (greedy output unchanged)", group="roles")
+    role_switch_window_s: float = setting(
+        10.0, "the window of measured TTFT / step times the role controller judges the targets on", group="roles")
     health_check_timeout_s: float = setting(10.0, "a worker that does not answer a ping this long is treated as dead",
                                             group="scaling")
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1/*",
@@ -228,12 +253,13 @@ class ServeConfig:
         if self.num_prefill_workers < 0:
             raise ServeConfigError(f"num_prefill_workers must be >= 0 (0: colocated), got {self.num_prefill_workers}")
         for name in ("worker_num_cpus", "worker_num_gpus", "local_prefill_max_tokens", "upscale_delay_s",
-                     "downscale_delay_s", "ingress_drain_s"):
+                     "downscale_delay_s", "ingress_drain_s", "role_switch_hold_s", "role_switch_dwell_s",
+                     "role_switch_drain_s"):
             if getattr(self, name) < 0:
                 raise ServeConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("kv_lease_s", "kv_transfer_timeout_s", "request_timeout_s", "ingress_target_ongoing_requests",
                      "autoscale_interval_s", "client_check_s", "http_keepalive_timeout_s", "http_header_timeout_s",
-                     "http_body_timeout_s"):
+                     "http_body_timeout_s", "role_switch_window_s"):
             if getattr(self, name) <= 0:
                 raise ServeConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.decode_max_prefill_tokens is not None and self.decode_max_prefill_tokens <= 0:
@@ -250,6 +276,7 @@ class ServeConfig:
             self.tenant_book()  # a bad file fails here, naming the entry
         self._check_pool_bounds()
         self._check_resources()
+        self._check_roles()
         if self.ingress_replicas < 1 or self.ingress_max_replicas is not None and \
                 self.ingress_max_replicas < self.ingress_replicas:
             raise ServeConfigError(f"need 1 <= ingress_replicas ({self.ingress_replicas}) <= ingress_max_replicas "
@@ -266,6 +293,22 @@ class ServeConfig:
                                    "placement-group bundle holds that much")
         self.engine_config("decode")  # checks the engine fields too
         self.engine_config("prefill")
+
+    def _check_roles(self) -> None:
+        for name in ("ttft_target_ms", "tpot_target_ms"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ServeConfigError(f"{name} must be > 0 (or none), got {getattr(self, name)}")
+        if not self.role_switching:
+            return
+        if self.colocated:
+            raise ServeConfigError("role_switching needs a prefill pool (num_prefill_workers >= 1): colocated, every "
+                                   "worker already does both")
+        if self.prefill_tp != self.decode_tp:
+            raise ServeConfigError(f"role_switching needs prefill_tp = decode_tp (a worker keeps its ranks when it "
+                                   f"changes role), got {self.prefill_tp} and {self.decode_tp}")
+        if self.prefill_resources != self.decode_resources:
+            raise ServeConfigError("role_switching needs prefill_resources = decode_resources (a worker keeps its "
+                                   "placement when it changes role)")
 
     def _check_resources(self) -> None:
         for name in ("prefill_resources", "decode_resources", "router_resources", "ingress_resources"):

@@ -56,6 +56,8 @@ SERIES: tuple[Series, ...] = (
     _c("migrations", "pdserve_migrations_total", "Requests moved off a dead decode worker."),
     _c("transfer_failures", "pdserve_kv_transfer_failures_total", "KV transfers that failed."),
     _c("worker_deaths", "pdserve_worker_deaths_total", "Workers found dead.", _POOL),
+    _c("role_switches", "pdserve_role_switches_total",
+       "Workers moved from one role to another by the role controller (begun).", ("from_role", "to_role")),
     # workers, per step
     _g("running", "pdserve_running_seqs", "Sequences in the worker's running batch.", _WORKER),
     _g("waiting", "pdserve_waiting_seqs", "Sequences waiting in the worker's engine.", _WORKER),

@@ -174,6 +174,11 @@ def count_worker_death(pool: str) -> None:
         m.worker_deaths.inc(tags={"pool": pool})
 
 
+def count_role_switch(from_role: str, to_role: str) -> None:
+    if (m := _get()) is not None:
+        m.role_switches.inc(tags={"from_role": from_role, "to_role": to_role})
+
+
 # ---------------------------------------------------------------------- workers
 def record_step(pool: str, worker_id: str, stats: Any, engine: Any) -> None:
     """After each engine step, under the worker's engine lock. `stats` is `engine.last_step`."""

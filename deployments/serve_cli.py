@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from deployments.config import ServeConfig
 
 _GROUPS = {"launch": "starting Ray and Serve", "serve": "server", "engine": "engine of every worker",
-           "scaling": "autoscaling and failures (see docs/guides/scaling-and-failures.md)"}
+           "scaling": "autoscaling and failures (see docs/guides/scaling-and-failures.md)",
+           "roles": "workers that change role (see docs/guides/role-switching.md)"}
 _METAVARS = {Kind.INT: "N", Kind.FLOAT: "X", Kind.STR: "STR", Kind.RESOURCES: "JSON"}
 @dataclass(frozen=True, slots=True)
 class LaunchOptions:

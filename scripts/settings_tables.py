@@ -29,6 +29,7 @@ def render() -> dict[str, str]:
                                  flags=True, docs=True),
         "server-engine": markdown_table([s for s in serve if s.owner == "engine"], flags=True, docs=False),
         "scaling": markdown_table([s for s in serve if s.group == "scaling"], flags=True, docs=True),
+        "roles": markdown_table([s for s in serve if s.group == "roles"], flags=True, docs=True),
         "engine": markdown_table(settings_of(EngineConfig, "engine", EngineConfig()), flags=False, docs=True),
     }
 

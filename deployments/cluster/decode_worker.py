@@ -10,7 +10,7 @@ import ray
 
 from deployments import metrics, tracing
 from deployments.cluster.engine_worker import AbortMarks, EngineWorker, engine_arrival
-from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin
+from deployments.cluster.kv_endpoint import KVExportMixin
 from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, FetchFrom, GenRequest, Role, StreamEvent,
                                           WorkerSnapshot)
 from deployments.config import ServeConfig
@@ -39,24 +39,29 @@ class _Backup(NamedTuple):
     cache_salt: str | None = None
 
 
-@ray.remote(max_concurrency=32)
-class DecodeWorker(KVExportMixin, EngineWorker):
-    """Pulls prefilled KV, decodes in one continuous batch, reports to the router after every step.
-    Colocated (no prefill pool), it prefills its requests itself (`resume`). A prompt it prefilled
-    itself next to a prefill pool, it copies to a prefill worker's prefix cache (`kv_backup`)."""
+class DecodeSide(KVExportMixin, EngineWorker):
+    """The decode role: pulls prefilled KV, decodes in one continuous batch, reports to the router
+    after every step. Colocated (no prefill pool), it prefills its requests itself (`resume`). A prompt
+    it prefilled itself next to a prefill pool, it copies to a prefill worker's prefix cache
+    (`kv_backup`). `DecodeWorker` is this alone; `RoleWorker` (role_worker.py) has it beside the
+    prefill role."""
 
     role = Role.DECODE
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         EngineWorker.__init__(self, worker_id, config, router)
+        self._init_exporter()
+        self._init_decode()
+        self._start()
+
+    def _init_decode(self) -> None:
+        config = self.config
         # Attempts aborted before they joined the engine (an `admit` or `resume` may be pulling KV):
         # (request id, attempt) -> when; they are dropped when their call gets that far.
         self._aborted = AbortMarks(ttl_s=max(120.0, 4 * config.kv_transfer_timeout_s))
         # KV backups: request id -> where to copy its prompt, until the prompt is computed; then the
         # copied blocks, pinned by lease id until the prefill worker has them.
         self._backups: dict[str, BackupTo] = {}
-        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s,
-                                      free=self._free_lease)
         self._me = ray.get_runtime_context().current_actor  # the exporter a prefill worker pulls a copy from
         self.prefix_fetches = 0
         self.prefix_fetch_tokens = 0
@@ -64,7 +69,6 @@ class DecodeWorker(KVExportMixin, EngineWorker):
         self._reported = (0.0, -1, -1)  # (when, running, waiting) of the last report sent
         self._pairs_reported = 0  # the version of its KV pairs' book the router last got
         self._since_report = (0, 0)  # (largest batch, preemptions) of the steps not reported yet
-        self._start()
 
     def _fail_all(self, message: str, only: list[str] | None = None) -> None:
         with self.lock:  # their requests end here
@@ -329,3 +333,7 @@ class DecodeWorker(KVExportMixin, EngineWorker):
             self._pairs_reported, report.kv_pairs = pairs.version, pairs.snapshot()
         self.router.report_decode.remote(report)
 
+
+@ray.remote(max_concurrency=32)
+class DecodeWorker(DecodeSide):
+    """A worker of the decode pool (`DecodeSide`)."""

@@ -102,8 +102,8 @@ class EngineWorker:
     """What both kinds of worker share: the engine, its step loop and lock, the KV importer, and the
     actor methods the router calls on any worker (info, ping, watch, abort, integrity check)."""
 
-    role: Role  # set by each subclass
-    kv_exporter: KVExporter  # each subclass makes one: both kinds of worker export KV
+    role: Role  # set by each subclass (a `RoleWorker`'s changes: role_worker.py)
+    kv_exporter: KVExporter  # `_init_exporter`: every kind of worker exports KV
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         torch.set_num_threads(config.engine.num_threads)
@@ -143,6 +143,12 @@ class EngineWorker:
         self.requests: dict[str, GenRequest] = {}
         self.num_orphans = 0  # requests aborted here because their client was gone (`_sweep_orphans`)
         self._swept: dict[str, GenRequest] = {}  # the requests held at the last sweep
+
+    def _init_exporter(self) -> None:
+        """Every kind of worker exports KV (a prefill worker its prompts, a decode worker KV backups and
+        cached prefixes): the roles' `__init__`s call this once."""
+        self.kv_exporter = KVExporter(self.worker_id, self.engine, engine_lock=self.lock,
+                                      lease_s=self.config.kv_lease_s, free=self._free_lease)
 
     @property
     def num_steps(self) -> int:

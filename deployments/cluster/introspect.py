@@ -8,13 +8,15 @@ from typing import Any
 
 from deployments.cluster.messages import Role
 from deployments.cluster.pools import Pools
+from deployments.cluster.roles import RoleController
 from deployments.cluster.state import RouterState, WorkerView
 from engine.spec.speculator import SpecStats
 
 
 def _worker(w: WorkerView) -> dict[str, Any]:
     i = w.info
-    return {"ready": w.ready, "draining": w.draining, "node_id": i.node_id if i else None,
+    return {"ready": w.ready, "draining": w.draining,
+            "switching_to": w.switching_to.value if w.switching_to is not None else None, "node_id": i.node_id if i else None,
             "node_ip": i.node_ip if i else None, "device": i.device if i else None,
             "num_threads": i.num_threads if i else None, "num_blocks": i.num_blocks if i else None}
 
@@ -29,9 +31,12 @@ def spec_summary(spec: SpecStats | None) -> dict[str, Any] | None:
             "mean_accepted_length": round(spec.mean_accepted_length, 4)}
 
 
-def router_stats(state: RouterState, pools: Pools, last: int = 20) -> dict[str, Any]:
-    """Counters, pools, the `last` scaling decisions and moves, and every worker's view."""
+def router_stats(state: RouterState, pools: Pools, roles: RoleController | None = None,
+                 last: int = 20) -> dict[str, Any]:
+    """Counters, pools, the `last` scaling decisions and moves, every worker's view, and the role
+    controller's state (`roles`, with role switching on)."""
     return {
+        "roles": roles.describe() if roles is not None else None,
         "counters": dataclasses.asdict(state.counters),
         "num_tracked": len(state.tracked),
         "num_pending_decode": len(state.pending_decode),
@@ -54,5 +59,5 @@ def router_stats(state: RouterState, pools: Pools, last: int = 20) -> dict[str, 
                    for w in state.decode.values()},
         # every (prefill worker, decode worker) KV pair as its decode worker last reported it
         # (kv_transfer/pair_stats.py): transport, probe / live GB/s, transfers, bytes, failures by cause
-        "kv_pairs": [p for w in state.decode.values() for p in w.kv_pairs.values()],
+        "kv_pairs": [p for w in state.workers() for p in w.kv_pairs.values()],
     }

@@ -139,7 +139,7 @@ class Placement:
 
     def prefill_done(self, t: Tracked) -> None:
         """`t` left its prefill worker's queue (prefilled, finished, aborted or moved)."""
-        w = self.state.prefill.get(t.prefill_worker_id or "")
+        w = self.state.worker(t.prefill_worker_id)
         if w is not None:
             w.queued_prompt_tokens = max(0, w.queued_prompt_tokens - t.queued_tokens)
         t.queued_tokens = 0
@@ -149,7 +149,7 @@ class Placement:
         t = self.state.tracked.get(request_id)
         if t is None or t.stage is not Stage.PREFILL or t.prefill_worker_id != worker_id:
             # aborted or moved meanwhile: free the blocks now
-            return [ReleaseKV(worker_id, request_id, handle.epoch)] if worker_id in self.state.prefill else []
+            return [ReleaseKV(worker_id, request_id, handle.epoch)] if self.state.worker(worker_id) else []
         self.prefill_done(t)
         t.stage, t.handle, t.worker_id = Stage.PENDING_DECODE, handle, None
         self.state.pending_decode.append(request_id)
@@ -173,20 +173,21 @@ class Placement:
         self.state.counters.aborted += 1
         if t.stage is Stage.PREFILL:
             self.prefill_done(t)
-            if (t.worker_id or "") in self.state.prefill:
+            if self.state.worker(t.worker_id) is not None:
                 return [AbortOn(t.worker_id, request_id, t.req.attempt)]
         elif t.stage is Stage.PENDING_DECODE:
-            if (t.prefill_worker_id or "") in self.state.prefill and t.handle is not None:
+            if self.state.worker(t.prefill_worker_id) is not None and t.handle is not None:
                 return [ReleaseKV(t.prefill_worker_id, request_id, t.handle.epoch)]
         elif t.stage in (Stage.ADMITTING, Stage.DECODE):
-            if (t.worker_id or "") in self.state.decode:
+            if self.state.worker(t.worker_id) is not None:
                 return [AbortOn(t.worker_id, request_id, t.req.attempt, t.stage is Stage.ADMITTING)]
         return []
 
     # ------------------------------------------------------------------ decode admission
     def reported(self, report: DecodeReport) -> list[Action]:
-        """A decode worker's step report: fill the capacity it freed at once."""
-        w = self.state.decode.get(report.worker_id)
+        """A decode worker's step report: fill the capacity it freed at once. (A worker that left the
+        decode role reports while it still holds sequences: their ends count.)"""
+        w = self.state.worker(report.worker_id)
         if w is None:
             return []
         w.report = report
@@ -198,12 +199,13 @@ class Placement:
             self.state.finish(report.worker_id, rid)
         return self.admit()
 
-    def pick_decode(self, need: int) -> WorkerView | None:
-        """The ready decode worker with the most free blocks, if it has `need` blocks and a slot."""
+    def pick_decode(self, need: int, not_on: str | None = None) -> WorkerView | None:
+        """The ready decode worker with the most free blocks, if it has `need` blocks and a slot (other
+        than `not_on`: the worker the KV is leased on, which joined the decode pool since)."""
         best, best_free = None, -1
         for w in self.state.decode.values():
             free_blocks, _ = w.free_capacity(self.max_num_seqs)
-            if w.has_room(need, self.max_num_seqs) and free_blocks > best_free:
+            if w.has_room(need, self.max_num_seqs) and free_blocks > best_free and w.worker_id != not_on:
                 best, best_free = w, free_blocks
         return best
 
@@ -256,8 +258,8 @@ class Placement:
                     actions.append(self.run_whole(t, best, need, cached))
                 continue
             need = blocks_to_admit(t.handle.num_tokens, self.block_size)
-            best = self.pick_decode(need)
-            if best is None or (t.prefill_worker_id or "") not in s.prefill:
+            best = self.pick_decode(need, not_on=t.prefill_worker_id)
+            if best is None or s.worker(t.prefill_worker_id) is None:
                 still.append(rid)
                 continue
             best.reserve(need)

@@ -140,8 +140,8 @@ class Pools:
     def desired(self, role: Role) -> tuple[int, str]:
         """The pool size its queue asks for, within its bounds, and why."""
         c = self.config
-        size = pool_size(c, role)
-        active = [w for w in self.state.pools[role].values() if not w.draining]
+        lo, hi = self.bounds(role)
+        active = [w for w in self.state.pools[role].values() if not w.leaving]
         n = len(active)
         if role is Role.PREFILL:
             queued = sum(w.queued_prompt_tokens for w in active) + sum(
@@ -161,23 +161,39 @@ class Pools:
             else:
                 want = n
             reason = f"{waiting} waiting for a slot, KV use {use:.0%}, {running} running"
-        return max(size.min, min(size.max, want)), reason
+        return max(lo, min(hi, want)), reason
 
-    def tick(self, now: float) -> list[WorkerView]:
+    def bounds(self, role: Role) -> tuple[int, int]:
+        """The sizes autoscaling may take `role`'s pool to. With role switching, workers move between the
+        pools, so the bounds hold for the two pools together: a pool may shrink while both together
+        stay above their minimums, and grow while both together stay within their maximums (on a
+        fixed cluster, min = max: only switches change the split, and autoscaling never kills a worker
+        that a switch moved)."""
+        size = pool_size(self.config, role)
+        if not self.config.role_switching:
+            return size.min, size.max
+        n = sum(1 for w in self.state.pools[role].values() if not w.leaving)
+        total = sum(1 for w in self.state.workers() if not w.draining)
+        floor = sum(pool_size(self.config, r).min for r in Role)
+        ceil = sum(pool_size(self.config, r).max for r in Role)
+        return max(1, n - max(0, total - floor)), n + max(0, ceil - total)
+
+    def tick(self, now: float, hold: frozenset[Role] = frozenset()) -> list[WorkerView]:
         """One autoscaling round: a signal that held long enough scales its pool up (the new workers'
-        views are returned, to be started) or drains its least loaded worker."""
+        views are returned, to be started) or drains its least loaded worker. A pool in `hold` is not
+        scaled up this round (a worker is switching to it: switching comes first)."""
         c = self.config
         started: list[WorkerView] = []
         for role in Role:
             st = self.scale[role]
-            active = [w for w in self.state.pools[role].values() if not w.draining]
+            active = [w for w in self.state.pools[role].values() if not w.leaving]
             want, reason = self.desired(role)
             st.desired, st.reason = want, reason
             direction = (want > len(active)) - (want < len(active))
             if direction != st.signal_dir:
                 st.signal_dir, st.signal_since = direction, now
             held = now - (st.signal_since or now)
-            if direction > 0 and held >= c.upscale_delay_s and not self.replacing[role]:
+            if direction > 0 and held >= c.upscale_delay_s and not self.replacing[role] and role not in hold:
                 self.record(role, PoolAction.SCALE_UP, len(active), want, reason)
                 self.state.counters.scale_ups += 1
                 started += [self.new_worker(role) for _ in range(want - len(active))]
@@ -208,14 +224,14 @@ class Pools:
         takers = [w for w in ready if not w.draining]
         if len(ready) < 2 or not takers:
             return None
-        src = max(ready, key=lambda w: (w.draining, w.queued_prompt_tokens))
+        src = max(ready, key=lambda w: (w.leaving, w.queued_prompt_tokens))
         dst = min(takers, key=lambda w: w.queued_prompt_tokens)
         gap = src.queued_prompt_tokens - dst.queued_prompt_tokens
         if src is dst or (gap <= 2 * self.config.engine.max_num_batched_tokens and
-                          not (src.draining and src.queued_prompt_tokens)):
+                          not (src.leaving and src.queued_prompt_tokens)):
             return None
-        # A draining worker hands over everything not started; otherwise split the difference.
-        want = src.queued_prompt_tokens if src.draining else gap // 2
+        # A draining (or role-changing) worker hands over everything not started; otherwise split the difference.
+        want = src.queued_prompt_tokens if src.leaving else gap // 2
         return Rebalance(src, dst, max(1, want))
 
     def rebalanced(self, plan: Rebalance, reqs: list[GenRequest]) -> list[Action]:

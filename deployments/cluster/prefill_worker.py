@@ -9,7 +9,7 @@ from typing import Any
 import ray
 
 from deployments.cluster.engine_worker import EngineWorker, engine_arrival
-from deployments.cluster.kv_endpoint import KVExporter, KVExportMixin
+from deployments.cluster.kv_endpoint import KVExportMixin
 from deployments.cluster.messages import GenRequest, LeasedKV, Role, StreamEvent, WorkerSnapshot
 from deployments.config import ServeConfig
 from engine import RequestOutput
@@ -19,27 +19,37 @@ from kv_transfer import KVHandle, KVTransferError
 logger = logging.getLogger(__name__)
 
 
-@ray.remote(max_concurrency=16)
-class PrefillWorker(KVExportMixin, EngineWorker):
-    """Runs prompts in prefill-only mode (batched by token budget), streams the first token at once,
-    and leases the KV blocks until a decode worker pulls them."""
+class PrefillSide(KVExportMixin, EngineWorker):
+    """The prefill role: runs prompts in prefill-only mode (batched by token budget), streams the first
+    token at once, and leases the KV blocks until a decode worker pulls them. `PrefillWorker` is this
+    alone; `RoleWorker` (role_worker.py) has it beside the decode role."""
 
     role = Role.PREFILL
 
     def __init__(self, worker_id: str, config: ServeConfig, router: Any):
         EngineWorker.__init__(self, worker_id, config, router)
-        self.kv_exporter = KVExporter(worker_id, self.engine, engine_lock=self.lock, lease_s=config.kv_lease_s,
-                                      free=self._free_lease)
+        self._init_exporter()
+        self._init_prefill()
+        self._start()
+
+    def _init_prefill(self) -> None:
         # Requests whose KV is leased out, kept so a restarted router can rebuild its queue.
         self.leased: dict[str, LeasedKV] = {}
-        self._start()
+
+    def _prefilling(self, request_id: str) -> bool:
+        """Whether `request_id` (held here) is a prompt this role computes (a `RoleWorker` also decodes)."""
+        return True
 
     def snapshot(self) -> WorkerSnapshot:
         """What this worker holds, for a router rebuilding its state after a restart."""
         with self.lock:
-            live = {rid: v for rid, v in self.leased.items() if rid in self.kv_exporter.leases}
-            self.leased = live
-            return WorkerSnapshot(prefilling=list(self.requests.values()), leased=list(live.values()))
+            return self._prefill_snapshot()
+
+    def _prefill_snapshot(self) -> WorkerSnapshot:
+        live = {rid: v for rid, v in self.leased.items() if rid in self.kv_exporter.leases}
+        self.leased = live
+        return WorkerSnapshot(prefilling=[r for rid, r in self.requests.items() if self._prefilling(rid)],
+                              leased=list(live.values()))
 
     def close(self) -> None:
         """Drained: release every lease and transfer group."""
@@ -111,7 +121,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
         out, total = [], 0
         with self.lock:
             for r in reversed(list(self.engine.scheduler.waiting)):
-                if r.num_computed_tokens or r.request_id not in self.requests:
+                if r.num_computed_tokens or r.request_id not in self.requests or not self._prefilling(r.request_id):
                     continue
                 if total + r.num_prompt_tokens > max_tokens:
                     break
@@ -122,7 +132,7 @@ class PrefillWorker(KVExportMixin, EngineWorker):
 
     def queued_prompt_tokens(self) -> int:
         with self.lock:
-            return sum(len(r.prompt_token_ids) for r in self.requests.values())
+            return sum(len(r.prompt_token_ids) for rid, r in self.requests.items() if self._prefilling(rid))
 
     def _idle(self) -> None:
         self.kv_exporter.reap_expired()
@@ -165,4 +175,9 @@ class PrefillWorker(KVExportMixin, EngineWorker):
 
     def kv_stats(self) -> dict:
         return {**self.kv_exporter.stats(), **self.kv_importer.stats()}
+
+
+@ray.remote(max_concurrency=16)
+class PrefillWorker(PrefillSide):
+    """A worker of the prefill pool (`PrefillSide`)."""
 

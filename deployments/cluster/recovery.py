@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from deployments import metrics
 from deployments.cluster.actions import AbortOn, Action, EndStream, ReleaseKV
-from deployments.cluster.messages import Role, StreamEvent, WorkerSnapshot
+from deployments.cluster.messages import StreamEvent, WorkerSnapshot
 from deployments.cluster.placement import Moves, Placement
 from deployments.cluster.state import RouterState, Stage, Tracked, WorkerView
 from deployments.config import ServeConfig
@@ -79,13 +79,13 @@ class Recovery:
 
     # ------------------------------------------------------------------ worker death
     def lost_on(self, w: WorkerView) -> list[Lost]:
-        """The requests dead worker `w` held, and how each is placed again."""
+        """The requests dead worker `w` held, and how each is placed again (by what it held them as,
+        not by its role: a worker that changed role may hold work of both)."""
         lost = []
         for t in self.state.tracked.values():
-            if w.role is Role.PREFILL and t.prefill_worker_id == w.worker_id and \
-                    t.stage in (Stage.PREFILL, Stage.PENDING_DECODE):
+            if t.prefill_worker_id == w.worker_id and t.stage in (Stage.PREFILL, Stage.PENDING_DECODE):
                 lost.append(Lost(t, Requeue.RETRY))
-            elif w.role is Role.DECODE and t.worker_id == w.worker_id and t.stage in (Stage.ADMITTING, Stage.DECODE):
+            elif t.worker_id == w.worker_id and t.stage in (Stage.ADMITTING, Stage.DECODE):
                 lost.append(Lost(t, Requeue.MIGRATION))
         return lost
 
@@ -143,7 +143,7 @@ class Recovery:
         is released."""
         rid = t.req.request_id
         actions: list[Action] = [AbortOn(worker_id, rid, t.req.attempt)]
-        if t.handle is not None and (t.prefill_worker_id or "") in self.state.prefill:
+        if t.handle is not None and self.state.worker(t.prefill_worker_id) is not None:
             actions.append(ReleaseKV(t.prefill_worker_id, rid, t.handle.epoch))
         # A refusal naming a field (engine.errors.invalid_request_text) goes to the door as it is: a 400.
         why = reason if parse_invalid_request(reason) else f"{worker_id} refused the request: {reason}"

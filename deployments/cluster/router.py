@@ -41,7 +41,9 @@ from deployments.cluster.placement import Placement
 from deployments.cluster.pools import WORKER_PREFIX, PoolAction, Pools, parse_worker_name
 from deployments.cluster.prefill_worker import PrefillWorker
 from deployments.cluster.prefix_index import PrefixIndex
-from deployments.cluster.recovery import MovedSettling, Recovery, Requeue
+from deployments.cluster.recovery import Lost, MovedSettling, Recovery, Requeue
+from deployments.cluster.role_worker import RoleWorker
+from deployments.cluster.roles import RoleController
 from deployments.cluster.router_calls import RouterCalls
 from deployments.cluster.state import RouterState, Stage, Tracked, WorkerView
 from deployments.cluster.tp_ranks import create_placement_group, remove_worker_placement_group, scheduling
@@ -71,6 +73,7 @@ class Router(RouterCalls):
         self.placement = Placement(config, self.state)
         self.pools = Pools(config, self.state, self.placement)
         self.recovery = Recovery(config, self.state, self.placement)
+        self.roles = RoleController(config, self.state)  # `--role-switching` (roles.py)
         self.actors: dict[str, Any] = {}  # worker id -> its actor handle, while it is in a pool
         tracing.configure(config.otlp_endpoint, config.trace_exporter, "pdserve-router")
         self.traces = RouterTraces(config.local_prefill_max_tokens, config.colocated)
@@ -107,7 +110,13 @@ class Router(RouterCalls):
                 self.actors[name] = ray.get_actor(name, namespace=self.namespace)
             except ValueError:
                 continue
-            self.pools.adopt(name, *parsed)
+            role, index = parsed
+            if self.config.role_switching:  # its name says the role it started in, not the one it has now
+                try:
+                    role = ray.get(self.actors[name].current_role.remote(), timeout=30)
+                except Exception:  # noqa: BLE001 - dead or not a RoleWorker: the monitor deals with it
+                    pass
+            self.pools.adopt(name, role, index)
         return bool(names)
 
     async def _rebuild(self) -> None:
@@ -123,13 +132,16 @@ class Router(RouterCalls):
         c = self.config
         cls, resources = (PrefillWorker, c.prefill_resources) if w.role is Role.PREFILL else \
             (DecodeWorker, c.decode_resources)
+        args = (w.worker_id, c, self.me)
+        if c.role_switching:  # every worker can take either role (role_worker.py)
+            cls, args = RoleWorker, (*args, w.role)
         # A tensor-parallel worker: a placement group of one bundle per rank, the worker in bundle 0
         # (it starts the other ranks in the others: tp_ranks.py). TP 1: placed as any actor.
         pg = create_placement_group(w.worker_id, c, w.role.value, dict(resources))
         self.actors[w.worker_id] = cls.options(
             name=w.worker_id, namespace=self.namespace, lifetime="detached", num_cpus=c.worker_num_cpus,
             num_gpus=c.worker_num_gpus, resources=dict(resources) or None,
-            **scheduling(pg, 0)).remote(w.worker_id, c, self.me)
+            **scheduling(pg, 0)).remote(*args)
         return w
 
     def _kill_worker(self, worker_id: str, actor: Any) -> None:
@@ -209,12 +221,16 @@ class Router(RouterCalls):
     async def on_prefilled(self, worker_id: str, request_id: str, handle: KVHandle) -> None:
         if (t := self.state.tracked.get(request_id)) is not None:
             self.traces.prefilled(t.req)
+            if t.req.offset == 0 and t.req.arrival_time:
+                self.roles.record_ttft(time.time() - t.req.arrival_time)
         self._do(self.placement.prefilled(worker_id, request_id, handle))
 
     async def on_finished(self, worker_id: str, request_id: str) -> None:
         self.placement.finished(worker_id, request_id)
 
     async def report_decode(self, report: DecodeReport) -> None:
+        if report.step_s and report.num_running:
+            self.roles.record_step(report.step_s)
         self._do(self.placement.reported(report))
 
     async def on_kv_backup(self, worker_id: str, request_id: str, num_tokens: int, copied_tokens: int) -> None:
@@ -301,7 +317,12 @@ class Router(RouterCalls):
     async def _autoscale(self) -> None:
         while True:
             await asyncio.sleep(self.config.autoscale_interval_s)
-            for w in self.pools.tick(time.time()):
+            if self.config.role_switching:
+                try:
+                    await self._switch_roles()
+                except Exception:  # noqa: BLE001 - the next round tries again; autoscaling goes on
+                    logger.exception("role switching failed this round")
+            for w in self.pools.tick(time.time(), self.roles.hold() if self.config.role_switching else frozenset()):
                 asyncio.get_event_loop().create_task(self._bring_up(self._start_worker(w)))
             for w in self.pools.finished_drains():
                 actor = self.actors.pop(w.worker_id)
@@ -312,6 +333,55 @@ class Router(RouterCalls):
                     pass
                 self._kill_worker(w.worker_id, actor)
             await self._rebalance_prefill()
+
+    # ------------------------------------------------------------------ roles (roles.py)
+    async def _switch_roles(self) -> None:
+        """One round of the role controller: maybe begin a switch, and move each switching worker on
+        (hand on what it holds of its old role; once nothing is left, give it the new role)."""
+        now = time.time()
+        plan = self.roles.tick(now)
+        if plan is not None:
+            w, to, reason = plan
+            d = self.roles.begin(w, to, reason, now)
+            metrics.count_role_switch(d.from_role.value, d.to_role.value)
+        for w in self.roles.switching():
+            if self.state.worker(w.worker_id) is not w or not w.ready:
+                continue
+            if w.role is Role.DECODE and now - (w.switch_since or now) >= self.config.role_switch_drain_s:
+                await self._hand_on(w)
+            if self.roles.old_role_work(w) == 0:
+                await self._complete_switch(w)
+
+    async def _hand_on(self, w: WorkerView) -> None:
+        """A worker leaving the decode role still decodes sequences after `role_switch_drain_s`: move them
+        to the other decode workers as a dead worker's are (from the tokens their clients have, so the
+        text is unchanged), after ending them there."""
+        mine = [t for t in self.state.tracked.values() if t.worker_id == w.worker_id and t.stage is Stage.DECODE]
+        if not mine:
+            return
+        actor = self.actors[w.worker_id]
+        await asyncio.gather(*[asyncio.wait_for(actor.abort.remote(t.req.request_id, t.req.attempt), 10)
+                               for t in mine], return_exceptions=True)
+        lost = [Lost(t, Requeue.MIGRATION) for t in mine
+                if self.state.tracked.get(t.req.request_id) is t and t.worker_id == w.worker_id]
+        delivered = await asyncio.gather(*[self._delivered(t.req) for t, _ in lost])
+        actions, _ = self.recovery.relocate(lost, delivered, f"{w.worker_id} changes role")
+        self._do(actions)
+        logger.info("role switch: moved %d sequences off %s", len(lost), w.worker_id)
+
+    async def _complete_switch(self, w: WorkerView) -> None:
+        to = w.switching_to
+        try:
+            await asyncio.wait_for(self.actors[w.worker_id].set_role.remote(to), 30)
+        except Exception as exc:  # noqa: BLE001 - dead (the monitor moves its work) or busy: next round
+            logger.warning("role switch of %s not completed: %r", w.worker_id, exc)
+            return
+        if self.state.worker(w.worker_id) is not w:
+            return  # died meanwhile
+        self.roles.complete(w, time.time())
+        await self._open_kv_channels(w)
+        self._do(self.placement.flush_unplaced())
+        self._do(self.placement.admit())
 
     async def _rebalance_prefill(self) -> None:
         plan = self.pools.rebalance_plan()
@@ -326,7 +396,7 @@ class Router(RouterCalls):
     # ------------------------------------------------------------------ introspection
     async def stats(self) -> dict[str, Any]:
         """Counters, pools, recent scaling decisions and moves, and every worker's view (JSON-able)."""
-        return router_stats(self.state, self.pools)
+        return router_stats(self.state, self.pools, self.roles if self.config.role_switching else None)
 
     async def workers(self) -> dict[str, Any]:
         """Every pooled worker's actor handle, by worker id."""

@@ -66,10 +66,17 @@ class WorkerView:
     max_batch_seen: int = 0
     num_steps: int = 0
     kv_pairs: dict[str, dict] = field(default_factory=dict)  # decode: its KV pairs, as last reported
+    switching_to: Role | None = None  # changing role: takes no new work of `role`, then joins this pool
+    switch_since: float | None = None  # when it began to
 
     @property
     def takes_work(self) -> bool:
-        return self.ready and not self.draining
+        return self.ready and not self.leaving
+
+    @property
+    def leaving(self) -> bool:
+        """Draining, or changing role: it takes no new work of its role and hands on what it can."""
+        return self.draining or self.switching_to is not None
 
     def free_capacity(self, max_num_seqs: int) -> tuple[int, int]:
         """Decode: (free KV blocks, free sequence slots), less what admissions under way reserved."""
@@ -129,6 +136,7 @@ class Counters:
     kv_backups: int = 0
     kv_backup_tokens: int = 0
     prefix_fetches: int = 0
+    role_switches: int = 0  # begun (`--role-switching`)
 
 
 class MoveRecord(NamedTuple):
@@ -163,6 +171,14 @@ class RouterState:
 
     def workers(self) -> list[WorkerView]:
         return [w for pool in self.pools.values() for w in pool.values()]
+
+    def worker(self, worker_id: str | None) -> WorkerView | None:
+        """The live worker `worker_id`, in whichever pool (a worker that changed role may still hold
+        work of its old one: prompts' KV leased out, sequences finishing)."""
+        for pool in self.pools.values():
+            if (w := pool.get(worker_id or "")) is not None:
+                return w
+        return None
 
     def num_queued(self) -> int:
         """Requests accepted but not yet decoding (what `max_queued_requests` limits)."""

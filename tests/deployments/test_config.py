@@ -74,7 +74,7 @@ SAMPLES = {"speculative_method": "ngram", "prefill_min_workers": 1, "decode_min_
            "device": "cuda", "batching": "static", "num_threads": 2, "scheduling_policy": "priority",
            "gpu_memory_utilization": 0.5, "ops_backend": "torch", "kv_cache_memory_mb": 4096,
            "trace_exporter": "file:/tmp/pdserve-trace",
-           "api_keys_file": "docs/examples/api_keys.json"}
+           "api_keys_file": "docs/examples/api_keys.json", "ttft_target_ms": 500.0, "tpot_target_ms": 50.0}
 
 
 def _sample(s: Setting):
