@@ -150,7 +150,7 @@ class RoleController:
             self.signal, self.signal_since = want, now
         if want is None or self.switching() or now - self.last_switch < self.config.role_switch_dwell_s:
             return None
-        if now - (self.signal_since or now) < self.config.role_switch_hold_s:
+        if self.signal_since is None or now - self.signal_since < self.config.role_switch_hold_s:
             return None
         lose = Role.DECODE if want is Role.PREFILL else Role.PREFILL
         donors = [w for w in self.state.pools[lose].values() if w.takes_work]

@@ -352,6 +352,25 @@ class Router(RouterCalls):
             if self.roles.old_role_work(w) == 0:
                 await self._complete_switch(w)
 
+    async def switch_role(self, worker_id: str, role: str, reason: str = "asked") -> dict[str, Any]:
+        """Begin moving worker `worker_id` to `role` now, whatever the controller thinks (an operator's
+        or a test's switch; the controller's dwell then counts from it). ValueError, naming the reason,
+        when it cannot: role switching off, no such ready worker, already that role or switching, or the
+        last worker taking work in its pool."""
+        if not self.config.role_switching:
+            raise ValueError("role_switching is off")
+        to = Role(role)
+        w = self.state.worker(worker_id)
+        if w is None or not w.ready:
+            raise ValueError(f"no ready worker {worker_id!r}")
+        if w.role is to or w.leaving:
+            raise ValueError(f"{worker_id} is {w.role.value}" + (" and leaving it" if w.leaving else ""))
+        if sum(1 for v in self.state.pools[w.role].values() if v.takes_work) < 2:
+            raise ValueError(f"{worker_id} is the last {w.role.value} worker taking work")
+        d = self.roles.begin(w, to, reason, time.time())
+        metrics.count_role_switch(d.from_role.value, d.to_role.value)
+        return d.as_dict()
+
     async def _hand_on(self, w: WorkerView) -> None:
         """A worker leaving the decode role still decodes sequences after `role_switch_drain_s`: move them
         to the other decode workers as a dead worker's are (from the tokens their clients have, so the
