@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from deployments.bench_report import (  # noqa: F401 - re-exported: the library entry points
-    BenchConfig, BenchRequest, RequestResult, _request_row, compute_metrics, plot_results, print_report,
-    server_speculation, speculation_delta, throughput_timeline)
+    BenchConfig, BenchRequest, Phase, RequestResult, _request_row, compute_metrics, phase_metrics, plot_results,
+    print_report, server_speculation, speculation_delta, throughput_timeline)
 
 
 # ---------------------------------------------------------------------------------------------- workload
@@ -51,6 +51,14 @@ def make_requests(cfg: BenchConfig) -> list[BenchRequest]:
     out = []
     prefixes = [[rng.randrange(cfg.low_token_id, cfg.vocab_size) for _ in range(cfg.prefix_len)]
                 for _ in range(cfg.prefix_groups)]
+    if cfg.phases:  # each phase its own lengths, one after another
+        for ph in cfg.phases:
+            for _ in range(ph.num_prompts):
+                prompt = [rng.randrange(cfg.low_token_id, cfg.vocab_size) for _ in range(ph.input_len)]
+                if prefixes:
+                    prompt = prefixes[rng.randrange(len(prefixes))] + prompt
+                out.append(BenchRequest(prompt, ph.output_len))
+        return out
     for _ in range(cfg.num_prompts):
         n = _length(rng, cfg.input_len, cfg.input_len_range)
         prompt = [rng.randrange(cfg.low_token_id, cfg.vocab_size) for _ in range(n)]
@@ -61,7 +69,17 @@ def make_requests(cfg: BenchConfig) -> list[BenchRequest]:
 
 
 def arrival_offsets(cfg: BenchConfig) -> list[float]:
-    """Send times (s after start): a Poisson process at `request_rate`, or all zero for inf."""
+    """Send times (s after start): a Poisson process at `request_rate`, or all zero for inf. With phases,
+    each phase's process starts where the previous one's last arrival left off (one mean gap later)."""
+    if cfg.phases:
+        rng = random.Random(cfg.seed + 1)
+        t, out = 0.0, []
+        for ph in cfg.phases:
+            for _ in range(ph.num_prompts):
+                out.append(t)
+                if not math.isinf(ph.request_rate):
+                    t += rng.expovariate(ph.request_rate)
+        return out
     if math.isinf(cfg.request_rate):
         return [0.0] * cfg.num_prompts
     rng = random.Random(cfg.seed + 1)
@@ -166,6 +184,7 @@ async def arun_benchmark(cfg: BenchConfig | dict) -> dict:
     out = {"config": asdict(cfg), "metrics": compute_metrics(cfg, results, duration),
            "requests": [_request_row(r) for r in results]}
     out["timeline"] = throughput_timeline(results)
+    out["phases"] = phase_metrics(cfg, results)
     out["server_speculation"] = speculation_delta(spec_before, spec_after)
     if cfg.result_json:
         Path(cfg.result_json).parent.mkdir(parents=True, exist_ok=True)
@@ -213,6 +232,13 @@ def _range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def _phase(text: str) -> Phase:
+    try:
+        return Phase.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server (streaming /v1/completions)")
     b.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -236,6 +262,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     b.add_argument("--api-key", default=None)
     b.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     b.add_argument("--no-progress", dest="progress", action="store_false")
+    b.add_argument("--phase", dest="phases", action="append", type=_phase, default=None, metavar="N,IN,OUT[,RATE]",
+                   help="a phase of a shifting load (repeat in order): N prompts of IN tokens asking for OUT, at "
+                        "RATE/s; replaces --num-prompts, the lengths and --request-rate; figures per phase")
     b.add_argument("--result-json", default=None, metavar="PATH")
     b.add_argument("--plot", default=None, metavar="PATH.png")
     b.set_defaults(func=_bench)
@@ -244,7 +273,10 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     names = {f.name for f in fields(BenchConfig)}
-    return BenchConfig(**{k: v for k, v in vars(args).items() if k in names})
+    given = {k: v for k, v in vars(args).items() if k in names}
+    if given.get("phases") is not None:
+        given["phases"] = tuple(given["phases"])
+    return BenchConfig(**given)
 
 
 def _bench(args: argparse.Namespace) -> int:

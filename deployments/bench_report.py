@@ -40,8 +40,17 @@ class BenchConfig:
     progress: bool = True
     result_json: str | None = None
     plot: str | None = None
+    # A load that shifts: phases run one after another, each `Phase` its own prompts, lengths and rate
+    # (the whole run's num_prompts, input/output lengths and rate are then the phases'). Figures per phase.
+    phases: tuple[Phase, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.phases is not None:
+            if not self.phases:
+                raise ValueError("phases must name at least one phase")
+            if self.dataset or self.input_len_range or self.output_len_range:
+                raise ValueError("phases set each phase's lengths; they cannot go with dataset or length ranges")
+            object.__setattr__(self, "num_prompts", sum(ph.num_prompts for ph in self.phases))
         if self.num_prompts <= 0:
             raise ValueError(f"num_prompts must be > 0, got {self.num_prompts}")
         if not self.request_rate > 0:
@@ -76,7 +85,38 @@ class BenchConfig:
         for name in ("input_len_range", "output_len_range"):
             if d.get(name) is not None:
                 d[name] = tuple(d[name])
+        if d.get("phases") is not None:
+            d["phases"] = tuple(ph if isinstance(ph, Phase) else Phase.parse(ph) if isinstance(ph, str) else
+                                Phase(**ph) if isinstance(ph, dict) else Phase(*ph) for ph in d["phases"])
         return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """One phase of a shifting load (`BenchConfig.phases`): `num_prompts` random prompts of `input_len`
+    tokens asking for `output_len`, arriving at `request_rate` per second (Poisson; inf: all at once)."""
+
+    num_prompts: int
+    input_len: int
+    output_len: int
+    request_rate: float = math.inf
+
+    def __post_init__(self) -> None:
+        if min(self.num_prompts, self.input_len, self.output_len) < 1:
+            raise ValueError(f"a phase needs num_prompts, input_len and output_len >= 1, got {self}")
+        if not self.request_rate > 0:
+            raise ValueError(f"a phase's request_rate must be > 0 (or inf), got {self.request_rate}")
+
+    @classmethod
+    def parse(cls, text: str) -> Phase:
+        """`N,IN,OUT[,RATE]`, e.g. `40,512,8,2` (the `--phase` flag)."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) not in (3, 4):
+            raise ValueError(f"a phase is N,INPUT_LEN,OUTPUT_LEN[,RATE], got {text!r}")
+        try:
+            return cls(int(parts[0]), int(parts[1]), int(parts[2]), float(parts[3]) if len(parts) == 4 else math.inf)
+        except ValueError as e:
+            raise ValueError(f"phase {text!r}: {e}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +207,24 @@ def compute_metrics(cfg: BenchConfig, results: list[RequestResult], duration_s: 
         "itl_ms": _stats([x for r in ok for x in r.itls]),
         "e2e_ms": _stats([r.e2e for r in ok]),
     }
+
+
+def phase_metrics(cfg: BenchConfig, results: list[RequestResult]) -> list[dict[str, Any]] | None:
+    """`compute_metrics` of each phase's requests (in request order, the phases' order), each over its
+    own span: its first send to its last completion. None without phases."""
+    if not cfg.phases:
+        return None
+    out, first = [], 0
+    for i, ph in enumerate(cfg.phases):
+        rs = results[first:first + ph.num_prompts]
+        first += ph.num_prompts
+        ends = [r.start + r.e2e for r in rs if r.ok and r.e2e is not None]
+        start = min(r.start for r in rs)
+        span = max(ends) - start if ends else 0.0
+        m = compute_metrics(cfg, rs, max(span, 1e-9))
+        out.append({"phase": i, "input_len": ph.input_len, "output_len": ph.output_len,
+                    "request_rate": ph.request_rate, "start_s": start, **m})
+    return out
 
 
 def throughput_timeline(results: list[RequestResult], bucket_s: float = 1.0) -> list[tuple[float, float]]:
@@ -260,6 +318,18 @@ def print_report(result: dict, title: str = "pdserve bench") -> None:
                       f"{spec['acceptance_rate']:.1%} / {_f(spec['mean_accepted_length'], 2)}")
     console = Console(width=120)
     console.print(table)
+    if result.get("phases"):
+        pt = Table(title="per phase (TTFT / TPOT in ms)", title_justify="left")
+        for col in ("phase", "prompts x in -> out @ rate", "ok / failed", "TTFT p50 / p99", "TPOT p50 / p99",
+                    "goodput (req/s)", "good"):
+            pt.add_column(col, justify="right")
+        for ph in result["phases"]:
+            pt.add_row(str(ph["phase"]), f"{ph['num_requests']} x {ph['input_len']} -> {ph['output_len']} @ "
+                       f"{ph['request_rate']:g}", f"{ph['completed']} / {ph['failed']}",
+                       f"{_f(ph['ttft_ms']['p50'])} / {_f(ph['ttft_ms']['p99'])}",
+                       f"{_f(ph['tpot_ms']['p50'])} / {_f(ph['tpot_ms']['p99'])}", _f(ph["goodput"], 2),
+                       f"{ph['good_requests']}/{ph['num_requests']}")
+        console.print(pt)
     for err, n in m["errors"].items():
         console.print(f"  [red]{n} failed[/red]: {err}")
 

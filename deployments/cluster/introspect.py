@@ -3,6 +3,7 @@ benchmarks read counters, pools, decisions and moves from it)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -39,6 +40,7 @@ def router_stats(state: RouterState, pools: Pools, roles: RoleController | None 
         "roles": roles.describe() if roles is not None else None,
         "counters": dataclasses.asdict(state.counters),
         "num_tracked": len(state.tracked),
+        "tracked_by_stage": dict(collections.Counter(t.stage.value for t in state.tracked.values())),
         "num_pending_decode": len(state.pending_decode),
         "num_unplaced": len(state.unplaced),
         "pools": {r.value: pools.describe(r) for r in Role},

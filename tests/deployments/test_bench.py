@@ -163,3 +163,32 @@ def test_cli_entry(server, tmp_path, capsys):
     assert json.loads(path.read_text())["metrics"]["completed"] == 3
     assert "output throughput" in capsys.readouterr().out
     assert cli_main(["bench", "--model", MODEL, "--num-prompts", "0"]) == 2
+
+
+def test_phases_shift_the_load_and_are_reported_each(server, tmp_path):
+    """`--phase`: the workload moves from long prompts with short answers to short prompts with long
+    answers; each phase's requests have its lengths, arrive after the previous phase's, and get their
+    own figures."""
+    from deployments.bench_cli import Phase
+
+    cfg = BenchConfig.from_dict(dict(base_url=server.url, model=MODEL, vocab_size=500, seed=3, timeout_s=30,
+                                     progress=False, slo_ttft_ms=10_000, slo_tpot_ms=10_000,
+                                     phases=["6,24,2,200", "4,4,8", {"num_prompts": 3, "input_len": 12,
+                                                                     "output_len": 3, "request_rate": 100.0}]))
+    assert cfg.num_prompts == 13 and cfg.phases[1] == Phase(4, 4, 8)
+    reqs, offsets = make_requests(cfg), arrival_offsets(cfg)
+    assert [len(r.prompt) for r in reqs] == [24] * 6 + [4] * 4 + [12] * 3
+    assert [r.max_tokens for r in reqs] == [2] * 6 + [8] * 4 + [3] * 3
+    assert offsets == sorted(offsets) and offsets[6] == offsets[9] > offsets[5]  # phase 2 all at once
+    res = run_benchmark(cfg)
+    assert res["metrics"]["completed"] == 13
+    phases = res["phases"]
+    assert [p["num_requests"] for p in phases] == [6, 4, 3]
+    assert [p["total_output_tokens"] for p in phases] == [12, 32, 9]
+    assert all(p["completed"] == p["good_requests"] == p["num_requests"] for p in phases)
+    assert phases[0]["start_s"] < phases[1]["start_s"] < phases[2]["start_s"]
+    for bad in ("6,24", "0,4,4", "6,24,2,-1", "a,b,c"):
+        with pytest.raises(ValueError):
+            Phase.parse(bad)
+    with pytest.raises(ValueError, match="phases set each phase"):
+        BenchConfig(base_url="http://x", model=MODEL, phases=(Phase(2, 2, 2),), output_len_range=(1, 3))
