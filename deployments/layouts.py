@@ -136,8 +136,9 @@ def pool_settings(layout: Layout, hw: Hardware, prefill_tp: int = 1, decode_tp: 
     assert layout == "disagg", layout
     if hw.gpus >= 2:
         prefill = max(1, hw.gpus // 2 // prefill_tp)
-        return {"num_prefill_workers": prefill, "num_decode_workers": max(1, (hw.gpus - prefill * prefill_tp) // decode_tp),
-                "worker_num_gpus": 1.0, "worker_num_cpus": 1.0, "device": "cuda"}
+        decode = max(1, (hw.gpus - prefill * prefill_tp) // decode_tp)
+        return {"num_prefill_workers": prefill, "num_decode_workers": decode, "worker_num_gpus": 1.0,
+                "worker_num_cpus": 1.0, "device": "cuda"}
     if hw.gpus == 1:
         return {"num_prefill_workers": 1, "num_decode_workers": 1, "worker_num_gpus": 0.5, "worker_num_cpus": 1.0,
                 "device": "cuda"}

@@ -121,7 +121,8 @@ def test_auto_counts_a_tp_worker_as_its_ranks_and_says_so(capsys):
     serves colocated workers of decode_tp GPUs and says why; on CPUs a worker's ranks split its node."""
     layout, cfg = _cfg("auto", {"prefill_tp": 2, "decode_tp": 2}, Hardware(cpus=16, gpus=4))
     assert layout == "disagg" and (cfg.num_prefill_workers, cfg.num_decode_workers, cfg.worker_num_gpus) == (1, 1, 1.0)
-    assert "disagg (1 prefill worker of 2 ranks + 1 decode worker of 2 ranks: one GPU a rank)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "disagg (1 prefill worker of 2 ranks + 1 decode worker of 2 ranks: one GPU a rank)" in said
     assert process_map(layout, cfg).endswith("prefill(1, cuda, tp 2) =nccl=> decode(1, cuda, tp 2)")
     layout, cfg = _cfg("auto", {"prefill_tp": 2, "decode_tp": 2}, Hardware(cpus=16, gpus=3))
     assert layout == "colocated" and cfg.num_decode_workers == 1 and cfg.decode_tp == 2
@@ -130,7 +131,8 @@ def test_auto_counts_a_tp_worker_as_its_ranks_and_says_so(capsys):
     layout, cfg = _cfg("auto", {"prefill_tp": 1, "decode_tp": 2}, Hardware(cpus=16, gpus=8))
     assert (cfg.num_prefill_workers, cfg.num_decode_workers) == (4, 2)  # half the GPUs each side
     layout, cfg = _cfg("auto", {"decode_tp": 2}, Hardware(cpus=8, gpus=0))
-    assert layout == "colocated" and (cfg.num_decode_workers, cfg.engine.num_threads, cfg.worker_num_cpus) == (1, 4, 4.0)
+    assert layout == "colocated"
+    assert (cfg.num_decode_workers, cfg.engine.num_threads, cfg.worker_num_cpus) == (1, 4, 4.0)
     assert "each rank 4 CPUs and 4 threads (a worker's ranks share one node's cores)" in capsys.readouterr().out
     # Without TP the line is as it was.
     _cfg("auto", {"decode_tp": 1}, Hardware(cpus=8, gpus=0))

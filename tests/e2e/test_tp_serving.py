@@ -138,7 +138,7 @@ def test_tp_workers_on_gpus_equal_the_single_engine(ray_cluster, model, prefill_
     colocated = prefill_tp == 0
     cfg = ServeConfig.from_dict(dict(model=model, num_prefill_workers=0 if colocated else 1, num_decode_workers=1,
                                      prefill_tp=max(prefill_tp, 1), decode_tp=decode_tp, local_prefill_max_tokens=0,
-                                     device="cuda", worker_num_gpus=1.0, worker_num_cpus=1.0, **BASE))
+                                     device="cuda", worker_num_gpus=1.0, **BASE))
     with pdserve_router(cfg, timeout_s=300) as router:
         assert _generate(router, PROMPTS) == want
         workers = ray.get(router.workers.remote())
