@@ -177,6 +177,11 @@ def test_a_tp_decode_worker_killed_mid_stream_its_sequences_finish_elsewhere(clu
     after = ray.get(router.stats.remote(), timeout=30)["counters"]
     assert after["worker_deaths"] == before["worker_deaths"] + 1
     assert after["migrations"] > before["migrations"]
+    # Each moved sequence went to a TP-2 worker: the prefill worker (recomputing past its cached prompt,
+    # then its KV scattered again) or the other decode worker (pulling the cached prompt from the
+    # prefill worker: gathered there, scattered here). The prefill worker's cache saved some of it.
+    moves = ray.get(router.stats.remote(), timeout=30)["moves"][-(after["migrations"] - before["migrations"]):]
+    assert sum(m["recompute_tokens"] for m in moves) < sum(m["tokens"] for m in moves), moves
     victim, followers = killed[0][0], killed[1]
     wait_for(lambda: _live_pg(victim), lambda live: not live, timeout_s=60,
              what=f"{victim}'s placement group removed")
