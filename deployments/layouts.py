@@ -11,6 +11,7 @@ a flag that contradicts the layout named (`--layout colocated --prefill-workers 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Literal, NamedTuple
 
@@ -83,41 +84,100 @@ def ray_only_settings(settings: dict) -> list[str]:
     return sorted(k for k in settings if k not in engine_names and k not in SINGLE_PROCESS_SETTINGS)
 
 
-def pool_settings(layout: Layout, hw: Hardware) -> dict[str, Any]:
-    """The pools of `layout` on `hw` (a Ray layout).
+def tp_sizes(settings: dict[str, Any]) -> tuple[int, int]:
+    """(prefill_tp, decode_tp) as given (1 each by default; ServeConfig checks them later)."""
+    def size(name: str) -> int:
+        v = settings.get(name, 1)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else 1  # a bad one: ServeConfig's error
+    return size("prefill_tp"), size("decode_tp")
 
-    - colocated: one worker per GPU, else one per node with a thread per core.
-    - disagg: half the GPUs prefill workers and the rest decode workers, one GPU each; one GPU: one
-      of each sharing it (KV staged through host memory); CPUs: one of each per node pair, each on
-      half a node's cores (they also step on the other's idle cores, `share_node_cores`)."""
+
+def _rank_cpus(cores: int, ranks: int) -> tuple[int, float]:
+    """(threads, Ray CPUs) of each of `ranks` ranks sharing `cores`: an equal share, at least a thread.
+    NOTE: Ray keeps 4 decimals of a resource: rounded down, `ranks` shares never add up to more than
+    the cores (2/3 rounded to 0.6667 three times would not fit 2 CPUs)."""
+    if cores >= ranks:
+        return cores // ranks, float(cores // ranks)
+    return 1, math.floor(cores / ranks * 1e4) / 1e4
+
+
+def _needs_gpus(layout: Layout, prefill_tp: int, decode_tp: int) -> int:
+    """The fewest GPUs `layout` serves on with these TP sizes (one GPU a rank; one GPU: both TP-1 pools share it)."""
+    if layout == "colocated":
+        return decode_tp
+    return 1 if prefill_tp == decode_tp == 1 else prefill_tp + decode_tp
+
+
+def pool_settings(layout: Layout, hw: Hardware, prefill_tp: int = 1, decode_tp: int = 1) -> dict[str, Any]:
+    """The pools of `layout` on `hw` (a Ray layout), for workers of `prefill_tp` / `decode_tp` ranks.
+
+    - colocated: one worker per `decode_tp` GPUs, else one per node, each rank on cores / decode_tp.
+    - disagg: about half the GPUs prefill workers (`prefill_tp` GPUs each) and the rest decode workers
+      (`decode_tp` each), one GPU a rank; one GPU and TP 1: one of each sharing it (KV staged through
+      host memory); CPUs: one of each per node pair, each on half a node's cores (they also step on
+      the other's idle cores, `share_node_cores`), that half split between the worker's ranks.
+    `worker_num_cpus` and the threads are one setting for every rank of both pools: with TP the
+    ranks of one node share its cores equally. A TP size the GPUs cannot hold is refused
+    (`ServeConfigError`): Ray would wait for them forever."""
+    from deployments.config import ServeConfigError
+
+    if hw.gpus and hw.gpus < _needs_gpus(layout, prefill_tp, decode_tp):
+        tp = f"decode_tp={decode_tp}" if layout == "colocated" else f"prefill_tp={prefill_tp} + decode_tp={decode_tp}"
+        raise ServeConfigError(f"--layout {layout} with {tp} needs {_needs_gpus(layout, prefill_tp, decode_tp)} "
+                               f"GPUs (one a rank), found {hw.gpus}: lower the TP sizes"
+                               + (" or pass --layout colocated" if layout == "disagg" else ""))
     if layout == "colocated":
         if hw.gpus:
-            return {"num_prefill_workers": 0, "num_decode_workers": hw.gpus, "worker_num_gpus": 1.0,
+            return {"num_prefill_workers": 0, "num_decode_workers": hw.gpus // decode_tp, "worker_num_gpus": 1.0,
                     "worker_num_cpus": 1.0, "device": "cuda"}
-        return {"num_prefill_workers": 0, "num_decode_workers": hw.nodes, "num_threads": hw.cpus,
-                "worker_num_cpus": float(hw.cpus)}
+        threads, cpus = _rank_cpus(hw.cpus, decode_tp)
+        return {"num_prefill_workers": 0, "num_decode_workers": hw.nodes, "num_threads": threads,
+                "worker_num_cpus": cpus}
     assert layout == "disagg", layout
     if hw.gpus >= 2:
-        prefill = hw.gpus // 2
-        return {"num_prefill_workers": prefill, "num_decode_workers": hw.gpus - prefill, "worker_num_gpus": 1.0,
+        prefill = max(1, hw.gpus // 2 // prefill_tp)
+        decode = max(1, (hw.gpus - prefill * prefill_tp) // decode_tp)
+        return {"num_prefill_workers": prefill, "num_decode_workers": decode, "worker_num_gpus": 1.0,
                 "worker_num_cpus": 1.0, "device": "cuda"}
     if hw.gpus == 1:
         return {"num_prefill_workers": 1, "num_decode_workers": 1, "worker_num_gpus": 0.5, "worker_num_cpus": 1.0,
                 "device": "cuda"}
     prefill = max(1, hw.nodes // 2)
-    threads = max(1, hw.cpus // 2) if hw.nodes == 1 else hw.cpus
+    # one node: a prefill and a decode worker share it, each rank an equal share; else a node each
+    threads, cpus = _rank_cpus(hw.cpus, prefill_tp + decode_tp) if hw.nodes == 1 else \
+        _rank_cpus(hw.cpus, max(prefill_tp, decode_tp))
     return {"num_prefill_workers": prefill, "num_decode_workers": max(1, hw.nodes - prefill),
-            "num_threads": threads, "worker_num_cpus": float(threads)}
+            "num_threads": threads, "worker_num_cpus": cpus}
+
+
+def tp_note(layout: Layout, hw: Hardware, pools: dict[str, Any], prefill_tp: int, decode_tp: int) -> str:
+    """Why the pools are what they are with TP (empty without): auto's printed line carries it."""
+    if max(prefill_tp, decode_tp) == 1 or layout == "single":
+        return ""
+    tps = [(decode_tp, pools["num_decode_workers"], "decode")]
+    if layout == "disagg":
+        tps.insert(0, (prefill_tp, pools["num_prefill_workers"], "prefill"))
+    workers = " + ".join(f"{n} {role} worker{'s' * (n != 1)} of {tp} rank{'s' * (tp != 1)}" for tp, n, role in tps)
+    if hw.gpus:
+        why = "one GPU a rank"
+        if layout == "colocated" and hw.gpus >= 2:
+            why += f"; disagg needs prefill_tp + decode_tp = {prefill_tp + decode_tp} GPUs"
+    else:
+        share = pools["worker_num_cpus"]
+        why = f"each rank {share:g} CPU{'s' * (share != 1)} and {pools['num_threads']} thread" \
+              f"{'s' * (pools['num_threads'] != 1)} (a worker's ranks share one node's cores)"
+    return f" ({workers}: {why})"
 
 
 def fastest_layout(hw: Hardware, settings: dict[str, Any], needs_ray: bool) -> Layout:
     """What `auto` picks (docs/guides/layouts.md): one process on a small CPU host when nothing asks for
     Ray; else disaggregated with GPUs for each pool, colocated otherwise (a small node's cores are
-    lost to whichever pool idles)."""
+    lost to whichever pool idles). With TP, "GPUs for each pool" means a whole worker of each: one GPU
+    a rank, prefill_tp + decode_tp of them."""
     on_cpu = hw.gpus == 0 or not str(settings.get("device", "cuda")).startswith("cuda")
     if on_cpu and hw.cpus <= SINGLE_PROCESS_MAX_CPUS and not needs_ray:
         return "single"
-    return "disagg" if hw.gpus >= 2 and not on_cpu else "colocated"
+    return "disagg" if not on_cpu and hw.gpus >= max(2, sum(tp_sizes(settings))) else "colocated"
 
 
 def given_layout(settings: dict[str, Any]) -> Layout:
@@ -157,11 +217,12 @@ def resolve(layout: str, settings: dict[str, Any], hw: Hardware, needs_ray: bool
         layout = fastest_layout(hw, settings, needs_ray or layout == "ray")
         other = "--layout colocated serves without a prefill pool" if layout == "disagg" else \
             "--layout disagg runs the prefill and decode pools"
-        print(f"pdserve: auto picked the fastest layout for this hardware ({hw.text()}): {layout}; {other}",
-              flush=True)
-        out = {**pool_settings(layout, hw), **settings} if layout != "single" else out
+        pools = pool_settings(layout, hw, *tp_sizes(settings)) if layout != "single" else {}
+        print(f"pdserve: auto picked the fastest layout for this hardware ({hw.text()}): {layout}"
+              f"{tp_note(layout, hw, pools, *tp_sizes(settings))}; {other}", flush=True)
+        out = {**pools, **settings}
     elif layout != "single":
-        out = {**pool_settings(layout, hw), **settings}
+        out = {**pool_settings(layout, hw, *tp_sizes(settings)), **settings}
     if layout == "single":
         out.setdefault("num_threads", hw.cpus)
     if "dtype" not in settings and (dtype := pick_dtype(hw, str(out.get("device", "cpu")))):

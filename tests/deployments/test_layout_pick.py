@@ -114,3 +114,43 @@ def test_without_bf16_hardware_or_on_a_gpu_the_dtype_is_the_engines_auto(capsys)
     gpu = _cfg("auto", {}, Hardware(cpus=16, gpus=1, cpu_bf16="AMX"))[1]
     assert gpu.engine.device == "cuda" and gpu.engine.dtype == "bfloat16"  # auto on CUDA
     assert "dtype bfloat16 (this CPU" not in capsys.readouterr().out
+
+
+def test_auto_counts_a_tp_worker_as_its_ranks_and_says_so(capsys):
+    """One GPU a rank: 4 GPUs hold a TP-2 prefill and a TP-2 decode worker (disagg), 3 do not, so auto
+    serves colocated workers of decode_tp GPUs and says why; on CPUs a worker's ranks split its node."""
+    layout, cfg = _cfg("auto", {"prefill_tp": 2, "decode_tp": 2}, Hardware(cpus=16, gpus=4))
+    assert layout == "disagg" and (cfg.num_prefill_workers, cfg.num_decode_workers, cfg.worker_num_gpus) == (1, 1, 1.0)
+    said = capsys.readouterr().out
+    assert "disagg (1 prefill worker of 2 ranks + 1 decode worker of 2 ranks: one GPU a rank)" in said
+    assert process_map(layout, cfg).endswith("prefill(1, cuda, tp 2) =nccl=> decode(1, cuda, tp 2)")
+    layout, cfg = _cfg("auto", {"prefill_tp": 2, "decode_tp": 2}, Hardware(cpus=16, gpus=3))
+    assert layout == "colocated" and cfg.num_decode_workers == 1 and cfg.decode_tp == 2
+    assert ("colocated (1 decode worker of 2 ranks: one GPU a rank; disagg needs prefill_tp + decode_tp = 4 GPUs)"
+            in capsys.readouterr().out)
+    layout, cfg = _cfg("auto", {"prefill_tp": 1, "decode_tp": 2}, Hardware(cpus=16, gpus=8))
+    assert (cfg.num_prefill_workers, cfg.num_decode_workers) == (4, 2)  # half the GPUs each side
+    layout, cfg = _cfg("auto", {"decode_tp": 2}, Hardware(cpus=8, gpus=0))
+    assert layout == "colocated"
+    assert (cfg.num_decode_workers, cfg.engine.num_threads, cfg.worker_num_cpus) == (1, 4, 4.0)
+    assert "each rank 4 CPUs and 4 threads (a worker's ranks share one node's cores)" in capsys.readouterr().out
+    # Without TP the line is as it was.
+    _cfg("auto", {"decode_tp": 1}, Hardware(cpus=8, gpus=0))
+    assert "rank" not in capsys.readouterr().out
+
+
+def test_a_named_layout_sizes_its_ranks_and_refuses_tp_the_gpus_cannot_hold():
+    from deployments.config import ServeConfigError
+
+    # 2 cores for a TP-2 prefill and a TP-1 decode worker: 3 ranks of 0.6666 CPUs (2/3 rounded down fits)
+    layout, cfg = _cfg("disagg", {"prefill_tp": 2}, Hardware(cpus=2, gpus=0))
+    assert (cfg.engine.num_threads, cfg.worker_num_cpus) == (1, 0.6666) and 3 * cfg.worker_num_cpus <= 2
+    layout, cfg = _cfg("disagg", {"prefill_tp": 2, "decode_tp": 2}, Hardware(cpus=16, gpus=0))
+    assert (cfg.num_prefill_workers, cfg.num_decode_workers, cfg.engine.num_threads) == (1, 1, 4)
+    layout, cfg = _cfg("colocated", {"decode_tp": 2}, Hardware(cpus=4, gpus=4))
+    assert cfg.num_decode_workers == 2 and cfg.worker_num_gpus == 1.0
+    with pytest.raises(ServeConfigError, match=r"prefill_tp=2 \+ decode_tp=1 needs 3 GPUs .* found 1"):
+        resolve("disagg", {"prefill_tp": 2}, Hardware(cpus=8, gpus=1))
+    with pytest.raises(ServeConfigError, match="decode_tp=4 needs 4 GPUs"):
+        resolve("auto", {"decode_tp": 4}, Hardware(cpus=8, gpus=2))
+    assert pool_settings("disagg", Hardware(cpus=8, gpus=1))["worker_num_gpus"] == 0.5  # TP 1 still shares one

@@ -112,6 +112,42 @@ def test_tp_serving_equals_the_single_engine(ray_cluster, model, reference, pref
     _assert_gone(followers)
 
 
+def _num_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# (prefill TP, decode TP): 0 = colocated. One GPU a rank: a case needs prefill TP + decode TP GPUs.
+GPU_LAYOUTS = [pytest.param(0, 2, id="colocated2"), pytest.param(2, 1, id="prefill2-decode1"),
+               pytest.param(1, 2, id="prefill1-decode2")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill_tp, decode_tp", GPU_LAYOUTS)
+def test_tp_workers_on_gpus_equal_the_single_engine(ray_cluster, model, prefill_tp, decode_tp):
+    """On CUDA: each rank an actor with one GPU, each worker's ranks an NCCL group, the KV between the
+    pools over the NCCL pair (scripts/gpu_check.sh's "tp" part). Equal to the single engine on one GPU."""
+    need = prefill_tp + decode_tp
+    if _num_gpus() < need:
+        pytest.skip(f"prefill TP {prefill_tp} + decode TP {decode_tp} need {need} GPUs, one a rank "
+                    f"(found {_num_gpus()})")
+    eng = LLMEngine(EngineConfig(model=model, num_kv_blocks=256, block_size=4, dtype="float32", device="cuda"))
+    want = [o.token_ids for o in run_offline(eng, PROMPTS, PARAMS)]
+    del eng
+    colocated = prefill_tp == 0
+    cfg = ServeConfig.from_dict(dict(model=model, num_prefill_workers=0 if colocated else 1, num_decode_workers=1,
+                                     prefill_tp=max(prefill_tp, 1), decode_tp=decode_tp, local_prefill_max_tokens=0,
+                                     device="cuda", worker_num_gpus=1.0, **BASE))
+    with pdserve_router(cfg, timeout_s=300) as router:
+        assert _generate(router, PROMPTS) == want
+        workers = ray.get(router.workers.remote())
+        received = ray.get(workers["pdserve-decode-0"].kv_stats.remote())["num_received"]
+        assert received == (0 if colocated else len(PROMPTS))
+        wait_no_leaks(router)
+    assert not any(_live_pg(wid) for wid in workers)
+
+
 def _dead(actor) -> bool:
     try:
         ray.get(actor.ping.remote(), timeout=30)

@@ -322,3 +322,39 @@ def test_a_follower_stops_when_rank0_is_killed(tiny_model_dir, tmp_path):
         rank0.wait(10)
     # Its store's connection breaks: the follower's pending wait (30 s long) fails at once (~3 s to exit here).
     assert _wait_gone(pids, 30), f"the follower outlived rank 0: {log.read_text()[-3000:]}"
+
+
+# ---------------------------------------------------------------------------- CUDA (NCCL), one GPU a rank
+def num_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# NOTE: NCCL cannot put two ranks of one group on one device; scripts/gpu_check.sh runs these (and
+# tests/kv_transfer/test_tp_kv.py's) on its "tp" part only where it finds two GPUs or more.
+TWO_GPUS = pytest.mark.skipif(num_gpus() < 2, reason=f"tensor parallelism on CUDA needs >= 2 GPUs, one a rank "
+                                                     f"(found {num_gpus()})")
+
+
+@pytest.mark.gpu
+@TWO_GPUS
+@pytest.mark.parametrize("speculative_method", ["off", "ngram"])
+def test_tp2_on_two_gpus_over_nccl_matches_hf(tiny_model_dir, speculative_method):
+    """Ranks 0 and 1 on GPUs 0 and 1 (spawned processes, a ProcessGroupNCCL): greedy output equals
+    transformers' fp32 generate on GPU 0, with speculative verification steps or without; the
+    followers end when the engine closes."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to("cuda:0").eval()
+    prompts = make_prompts(4, hf.config.vocab_size, seed=21) + looping_prompts(hf.config.vocab_size, seed=32)[:2]
+    with LLM(path, tensor_parallel_size=2, device="cuda", speculative_method=speculative_method,
+             **BASE) as llm:
+        pids = list(llm.engine.follower_pids)
+        assert llm.engine.runner.kv_cache.device == torch.device("cuda:0")
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+        for i, (p, out) in enumerate(zip(prompts, outs)):
+            assert out.token_ids == hf_greedy(hf, p, 24, llm.engine.eos_token_ids), f"prompt {i} differs"
+        if speculative_method != "off":
+            assert llm.engine.spec_stats().num_accepted > 0
+        llm.engine.check_integrity()
+    assert _wait_gone(pids, 60)

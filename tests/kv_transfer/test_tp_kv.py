@@ -4,7 +4,8 @@ transport. Rank 0 of a TP side gathers every KV head from its followers (or scat
 engine.parallel.kv_shards); full-head blocks travel. Greedy output equals the single engine, token
 for token, and both sides' block pools are whole afterwards (leases ended, nothing leaked).
 
-The follower ranks run as threads of this process (`run_follower`), over gloo on localhost."""
+The follower ranks run as threads of this process (`run_follower`): over gloo on localhost, and (marked
+`gpu`, with two GPUs or more: scripts/gpu_check.sh's "tp" part) over NCCL, rank r on GPU r."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_lending import KVLending
@@ -29,8 +31,9 @@ BASE = dict(dtype="float32", num_kv_blocks=64, block_size=4, num_threads=1)
 class Side:
     """An engine of `tp` ranks (followers as threads), with its KV wiring as a worker has it."""
 
-    def __init__(self, path: str, tp: int, name: str):
-        config = EngineConfig(model=path, tensor_parallel_size=tp, **BASE)
+    def __init__(self, path: str, tp: int, name: str, device: str = "cpu"):
+        # CUDA: rank r on GPU r (run_follower's rank_device), rank 0 on GPU 0; an NCCL group.
+        config = EngineConfig(model=path, tensor_parallel_size=tp, device=device, **BASE)
         self.threads: list[threading.Thread] = []
         if tp == 1:
             self.engine = LLMEngine(config)
@@ -40,7 +43,8 @@ class Side:
                                              name=f"{name}-rank{r}") for r in range(1, tp)]
             for t in self.threads:
                 t.start()
-            self.engine = LLMEngine(config, tp_group=TPGroup.connect(0, tp, init, "cpu", 30.0, store=store))
+            rank0 = "cuda:0" if device == "cuda" else device
+            self.engine = LLMEngine(config, tp_group=TPGroup.connect(0, tp, init, rank0, 30.0, store=store))
         runner = self.engine.runner
         layout = KVLayout.of(runner.kv_cache)
         self.sharded = tp > 1
@@ -81,19 +85,41 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("llama")  # 4 heads, 2 KV heads: TP 2 holds one KV head per rank
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    eng = LLMEngine(EngineConfig(model=model_dir, **BASE))
+def _single_engine(model_dir: str, device: str) -> dict[str, list[int]]:
+    eng = LLMEngine(EngineConfig(model=model_dir, device=device, **BASE))
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, PARAMS)
     return _run(eng)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return _single_engine(model_dir, "cpu")
 
 
 # (2, 2) gathers and scatters both: the default suite's case; the others are slow.
 @pytest.mark.parametrize("p_tp, d_tp", [pytest.param(1, 2, marks=pytest.mark.slow),
                                         pytest.param(2, 1, marks=pytest.mark.slow), (2, 2)])
 def test_kv_moves_between_tp_degrees_and_decodes_the_same_tokens(model_dir, reference, p_tp, d_tp):
-    p, d = Side(model_dir, p_tp, "P"), Side(model_dir, d_tp, "D")
+    _move_and_decode(model_dir, reference, p_tp, d_tp, "cpu")
+
+
+def _num_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_num_gpus() < 2, reason=f"TP on CUDA needs >= 2 GPUs, one a rank (found {_num_gpus()})")
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), (2, 2)])
+def test_kv_moves_between_tp_degrees_on_gpus(model_dir, p_tp, d_tp):
+    """The same on CUDA: each TP side an NCCL group over GPUs 0 and 1 (both sides share the two GPUs),
+    the gather and scatter NCCL collectives, the blocks between the two rank 0s on GPU 0; equal to the
+    single engine on GPU 0, fp32."""
+    _move_and_decode(model_dir, _single_engine(model_dir, "cuda"), p_tp, d_tp, "cuda")
+
+
+def _move_and_decode(model_dir, reference, p_tp, d_tp, device):
+    p, d = Side(model_dir, p_tp, "P", device), Side(model_dir, d_tp, "D", device)
     try:
         pad = d.lending.allocate_blocks(12)  # the decode side's block ids differ from the sender's
         hub = InProcHub()

@@ -1,11 +1,12 @@
 """A tiny random model copied to every host (as `ray up`'s file_mounts would), so each test here runs in
 seconds: the HTTP door on a host of its own, streaming as the offline engine; and a burst that asks
 for a second prefill worker no host has room for, until a new host joins (what an autoscaler would
-add) and the next burst is shared between the two prefill hosts.
+add) and the next burst is shared between the two prefill hosts; last, on the same bed, a prefill worker
+of TP 2 (both ranks on one prefill host) hands its KV to the TP-1 decode worker on dec1.
 
     driver ── bridge ──┬── head: GCS, Serve controller + proxy
                        ├── ing:  HTTP ingress replica and router (their settings place them)
-                       ├── pre1: prefill worker          (pre2 joins for the scale-up)
+                       ├── pre1: prefill worker          (pre2 joins for the scale-up; then a TP-2 one)
                        └── dec1: decode worker
 """
 
@@ -146,3 +147,50 @@ def test_scale_up_waits_for_a_host_and_takes_it_when_one_joins(cluster):
 
 def _steps(router, worker_id: str) -> int:
     return ray.get(router.check_integrity.remote(), timeout=60)[worker_id]["num_steps"]
+
+
+def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker_on_another_host(cluster):
+    """Tensor parallelism across hosts: a prefill worker of 2 ranks (both on one prefill host, its
+    placement group packed there) gathers every KV head on its rank 0, which sends the blocks over the
+    veth link to a TP-1 decode worker on dec1; greedy output equals the offline single engine.
+
+    Last in this module: it shuts the module's router down and starts one of its own on the same bed
+    (the bed's start is what costs), then shuts that down and checks nothing of the group is left."""
+    from deployments.app import shutdown_router
+    from deployments.cluster.tp_ranks import placement_group_name
+
+    bed, _, _, config, offline = cluster
+    shutdown_router(timeout_s=60)
+    # 0.5 CPU a rank: both ranks fit a 1-CPU prefill host; no autoscaling (a second group has no room).
+    tp_config = ServeConfig.from_dict({**SETTINGS, "model": config.engine.model, "prefill_tp": 2,
+                                       "prefill_max_workers": 1, "worker_num_cpus": 0.5})
+    router, hub = start_pdserve(tp_config, timeout_s=300)
+    workers = ray.get(router.workers.remote(), timeout=30)
+    prefill_id = next(w for w in workers if w.startswith("pdserve-prefill"))
+    decode_id = next(w for w in workers if w.startswith("pdserve-decode"))
+    followers = ray.get(workers[prefill_id].tp_followers.remote(), timeout=30)
+    assert len(followers) == 1
+    stats = ray.get(router.stats.remote(), timeout=30)
+    prefill_host = host_of_node(bed, stats["prefill"][prefill_id]["node_id"])
+    assert prefill_host.startswith("pre") and host_of_node(bed, stats["decode"][decode_id]["node_id"]) == "dec1"
+    # Rank 1 on rank 0's host (STRICT_PACK), as a process of its own.
+    assert len(pids_titled(bed, prefill_host, "ray::TPFollower")) == 1, ray_processes(bed, prefill_host)
+
+    prompts = _burst(3, n=4, length=37)  # 10 blocks of 4 and a partial one each; chunked by 32 tokens
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got, _ = stream_all(router, hub, prompts, params)
+    assert got == [o.token_ids for o in run_offline(offline, prompts, params)]
+    assert ray.get(workers[decode_id].kv_stats.remote(), timeout=30)["num_received"] == len(prompts)
+    pairs = wait_for(lambda: ray.get(router.stats.remote(), timeout=30)["kv_pairs"],
+                     lambda ps: any(p["num_transfers"] >= len(prompts) for p in ps), timeout_s=30,
+                     what="the TP pair's transfers reported")
+    pair = next(p for p in pairs if p["num_transfers"] >= len(prompts))
+    assert (pair["src"], pair["dst"], pair["transport"]) == (prefill_id, decode_id, "gloo"), pair
+    wait_no_leaks(router)
+
+    shutdown_router(timeout_s=60)
+    wait_for(lambda: {pg["state"] for pg in ray.util.placement_group_table().values()
+                      if pg.get("name") == placement_group_name(prefill_id)},
+             lambda states: states <= {"REMOVED"}, timeout_s=60, what="the TP worker's placement group removed")
+    wait_for(lambda: pids_titled(bed, prefill_host, "ray::TPFollower"), lambda pids: not pids, timeout_s=60,
+             what=f"the follower's process on {prefill_host} ended")
