@@ -104,7 +104,7 @@ def main() -> int:
     switches = (runs[-1]["router"]["roles"] or {}).get("decisions", [])
     notes = [f"SLOs: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms (the controller's targets: half)",
              f"goodput with the controller / best fixed split ({best_fixed['name']}): {ratio:.2f}x",
-             f"switches: " + "; ".join(f"{d['worker_id']} {d['from']}->{d['to']} at +{d['time'] - switches[0]['time']:.0f}s"
+             "switches: " + "; ".join(f"{d['worker_id']} {d['from']}->{d['to']} at +{d['time'] - switches[0]['time']:.0f}s"
                                       for d in switches) if switches else "switches: none"]
     print_table("role switching on a shifting load", ["server", "phase", "in->out", "TTFT p50", "TTFT p99",
                                                       "TPOT p50", "TPOT p99", "good", "goodput/s"], rows, notes)

@@ -36,6 +36,9 @@ class PrefillSide(KVExportMixin, EngineWorker):
         # Requests whose KV is leased out, kept so a restarted router can rebuild its queue.
         self.leased: dict[str, LeasedKV] = {}
 
+    def _took_prompt(self, request_id: str) -> None:
+        """`add` took `request_id` (caller holds the lock): a `RoleWorker` notes it as a prompt."""
+
     def _prefilling(self, request_id: str) -> bool:
         """Whether `request_id` (held here) is a prompt this role computes (a `RoleWorker` also decodes)."""
         return True
@@ -97,6 +100,7 @@ class PrefillSide(KVExportMixin, EngineWorker):
                                         num_resumed_output=req.num_resumed_output, tenant=req.tenant,
                                         tenant_weight=req.tenant_weight)
                 self.requests[req.request_id] = req
+                self._took_prompt(req.request_id)
                 self.traces.begin("prefill", req, {"prompt_tokens": len(req.prompt_token_ids)})
         except ValueError as exc:  # InvalidRequestError and friends: tell the client, free nothing
             self._push([StreamEvent(req.request_id, req.offset, [], True, "error", refusal_text(exc))], [req])

@@ -61,17 +61,21 @@ class RoleSide(PrefillSide, DecodeSide):
     def _prefilling(self, request_id: str) -> bool:
         return request_id in self._prefill_ids
 
-    # ------------------------------------------------------------------ requests of either role
-    def add(self, req: GenRequest) -> None:
-        self._prefill_ids.add(req.request_id)
-        PrefillSide.add(self, req)
+    def _took_prompt(self, request_id: str) -> None:
+        # NOTE: under the lock, with the request's entry in `requests`: noted before it, the step
+        # thread's pruning (`_idle`, `_after_step`) could drop the id in between, and the prompt's
+        # output would then be taken for a decoded sequence's (its KV never leased, the router never told).
+        self._prefill_ids.add(request_id)
 
+    # ------------------------------------------------------------------ requests of either role
     def admit(self, req: GenRequest, handle: KVHandle, prefill_actor: Any) -> Admission:
-        self._prefill_ids.discard(req.request_id)
+        with self.lock:
+            self._prefill_ids.discard(req.request_id)
         return DecodeSide.admit(self, req, handle, prefill_actor)
 
     def resume(self, req: GenRequest, backup: BackupTo | None = None, fetch: FetchFrom | None = None) -> Admission:
-        self._prefill_ids.discard(req.request_id)
+        with self.lock:
+            self._prefill_ids.discard(req.request_id)
         return DecodeSide.resume(self, req, backup, fetch)
 
     def abort(self, request_id: str, attempt: int | None = None, in_flight: bool = False) -> bool:
@@ -100,19 +104,22 @@ class RoleSide(PrefillSide, DecodeSide):
         DecodeSide.close(self)
 
     # ------------------------------------------------------------------ loop
+    def _prune(self) -> None:
+        with self.lock:  # in place, under the lock: `_took_prompt` adds under it
+            self._prefill_ids.intersection_update(self.requests.keys())
+
     def _idle(self) -> None:
         PrefillSide._idle(self)
-        with self.lock:
-            self._prefill_ids &= self.requests.keys()
+        self._prune()
         DecodeSide._idle(self)
 
     def _after_step(self, outs: list[RequestOutput], stats) -> None:
-        pre = [o for o in outs if o.request_id in self._prefill_ids]
-        dec = [o for o in outs if o.request_id not in self._prefill_ids]
+        with self.lock:
+            pre = [o for o in outs if o.request_id in self._prefill_ids]
+            dec = [o for o in outs if o.request_id not in self._prefill_ids]
         if pre:
             PrefillSide._after_step(self, pre, stats)
-            with self.lock:
-                self._prefill_ids = {rid for rid in self._prefill_ids if rid in self.requests}
+            self._prune()
         # A prefill-role worker reports its decode side only while it holds sequences of its decode days.
         if dec or self.role is Role.DECODE or len(self.requests) > len(self._prefill_ids):
             DecodeSide._after_step(self, dec, stats)
