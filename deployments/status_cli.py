@@ -9,6 +9,7 @@ reach the server (no Ray client, no cluster address) and shows exactly what `/he
     KV pairs   each (prefill worker -> decode worker): transport, probe and live GB/s, transfers, bytes,
                failures by cause (kv_transfer/pair_stats.py)
     scaling    the last autoscaling decisions, with their reasons
+    roles      with --role-switching: each side's pressure and the role switches
 
 `--json` prints the `/health` document itself.
 """
@@ -98,7 +99,7 @@ def render(doc: dict[str, Any], url: str = "") -> str:
     if router is None:
         return "\n".join([head, *_single(doc)])
     return "\n".join([head, *_pools(router), *_workers(router), *_pairs(router.get("kv_pairs", [])),
-                      *_decisions(router.get("decisions", [])), *_counters(router)])
+                      *_decisions(router.get("decisions", [])), *_roles(router.get("roles")), *_counters(router)])
 
 
 def _single(doc: dict[str, Any]) -> list[str]:
@@ -139,6 +140,8 @@ def _workers(r: dict[str, Any]) -> list[str]:
 
 
 def _state(w: dict[str, Any]) -> str:
+    if w.get("switching_to"):
+        return f"switching to {w['switching_to']}"
     return "draining" if w.get("draining") else ("ready" if w.get("ready") else "starting")
 
 
@@ -160,6 +163,19 @@ def _decisions(decisions: list[dict[str, Any]]) -> list[str]:
     rows = [[time.strftime("%H:%M:%S", time.localtime(d["time"])), d["pool"], d["action"],
              f"{d['from']} -> {d['to']}", d["reason"]] for d in decisions]
     return ["scaling decisions (latest last)", *_table(rows)]
+
+
+def _roles(roles: dict[str, Any] | None) -> list[str]:
+    """The role controller (`--role-switching`): each side's pressure against its targets, the switches."""
+    if roles is None:
+        return []
+    pr = roles.get("pressure")
+    out = ["role switching" + ("" if pr is None else
+                               f": prefill {pr['prefill']:.2f} of its targets ({pr['prefill_why']}); "
+                               f"decode {pr['decode']:.2f} ({pr['decode_why']})")]
+    rows = [[time.strftime("%H:%M:%S", time.localtime(d["time"])), d["worker_id"], f"{d['from']} -> {d['to']}",
+             "done" if d.get("completed_at") else "under way", d["reason"]] for d in roles.get("decisions", [])]
+    return [*out, *_table(rows)] if rows else [*out, "  no switch yet"]
 
 
 def _counters(r: dict[str, Any]) -> list[str]:

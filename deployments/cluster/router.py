@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -65,6 +66,10 @@ class Router(RouterCalls):
 
     def __init__(self, config: ServeConfig):
         self.config = config
+        # The pools' and roles' decisions are rare and are what an operator reads the router's log for:
+        # at INFO, above Ray's WARNING default for a worker process (PDSERVE_LOG_LEVEL overrides).
+        for name in (__name__, "deployments.cluster.pools", "deployments.cluster.roles"):
+            logging.getLogger(name).setLevel(os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
         ctx = ray.get_runtime_context()
         self.me, self.namespace = ctx.current_actor, ctx.namespace
         # Tracked requests, worker views, counters, and the prefix index: which prompt blocks each

@@ -15,6 +15,7 @@ import ray
 from deployments.config import ServeConfig
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
+from deployments.status_cli import render
 from engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import local_ray, pdserve_router, run_offline, wait_for, wait_no_leaks
 
@@ -106,6 +107,8 @@ def test_a_worker_switched_under_load_both_ways_loses_nothing(router, reference)
         s = _pools_are(router, {"pdserve-prefill-0", "pdserve-decode-0"}, {"pdserve-decode-1"})
         assert s["roles"]["decisions"][-1]["completed_at"] is not None
         assert s["counters"]["migrations"] > before["migrations"]  # its sequences moved mid-stream
+        shown = render({"status": "ok", "router": s})  # `pdserve status`
+        assert "role switching: prefill" in shown and "pdserve-decode-0" in shown and "decode -> prefill" in shown
         assert ray.get(worker.current_role.remote()).value == "prefill"
 
         # It now computes prompts for the decode pool: its engine steps with no sequence of its own.

@@ -195,3 +195,17 @@ def test_role_switching_is_refused_where_it_cannot_work():
         Parts((), role_switching=True, num_prefill_workers=1, decode_tp=2, worker_num_cpus=1)
     with pytest.raises(ServeConfigError, match="ttft_target_ms"):
         Parts((), ttft_target_ms=0)
+
+
+def test_a_switch_and_a_drain_never_take_the_same_worker():
+    """The autoscaler drains only workers that are not leaving, the controller moves only workers that
+    take work: a draining worker is never switched, a switching one never drained."""
+    p, ctl = _parts(workers=("p0", "d0", "d1", "d2"), decode_min_workers=1)
+    p.w("d0").draining = True
+    _queue(p, "p0", 10 * TARGET)
+    plan, when = _run(ctl, 1000.0, 10.0)
+    assert plan is not None and plan[0].worker_id != "d0"
+    ctl.begin(plan[0], plan[1], plan[2], when)
+    for now in range(1100, 1200, 5):  # an idle decode pool: the autoscaler wants fewer decode workers
+        p.pools.tick(float(now))
+    assert not plan[0].draining and plan[0].switching_to is Role.PREFILL
