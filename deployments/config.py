@@ -170,12 +170,15 @@ class ServeConfig:
             "prefill pool and prefill_tp = decode_tp. See docs/guides/role-switching.md",
         group="roles")
     ttft_target_ms: float | None = setting(
-        None, "the time to first token the role controller holds the prefill side to (none: queue depth only)",
+        None, "the time to first token the prefill side is held to (none: queue depth only)",
         doc="Measured by the router from a request's arrival to its prefilled KV (p90 of the last "
-            "role_switch_window_s)", group="roles")
+            "role_switch_window_s). Over it, the role controller moves a worker to prefill, or else the "
+            "autoscaler adds one (within prefill_max_workers)", group="roles")
     tpot_target_ms: float | None = setting(
-        None, "the time per output token the role controller holds the decode side to (none: slots and KV only)",
-        doc="Measured as the decode workers' step times (p90 of the last role_switch_window_s)", group="roles")
+        None, "the time per output token the decode side is held to (none: slots and KV only)",
+        doc="Measured as the decode workers' step times (p90 of the last role_switch_window_s). Over it, the "
+            "role controller moves a worker to decode, or else the autoscaler adds one (within "
+            "decode_max_workers)", group="roles")
     role_switch_hold_s: float = setting(
         3.0, "how long a shift must hold before a worker switches role (hysteresis)", group="roles")
     role_switch_dwell_s: float = setting(
@@ -186,7 +189,7 @@ class ServeConfig:
         doc="Moved sequences resume on the other decode workers from the tokens their clients have, as after a "
             "worker's death (greedy output unchanged)", group="roles")
     role_switch_window_s: float = setting(
-        10.0, "the window of measured TTFT / step times the role controller judges the targets on", group="roles")
+        10.0, "the window of measured TTFT / step times the targets are judged on", group="roles")
     health_check_timeout_s: float = setting(10.0, "a worker that does not answer a ping this long is treated as dead",
                                             group="scaling")
     api_key: str | None = setting(None, "require `Authorization: Bearer KEY` on /v1/*",

@@ -148,6 +148,11 @@ class Pools:
                 len(self.state.tracked[r].req.prompt_token_ids) for r in self.state.unplaced if r in self.state.tracked)
             want = math.ceil(queued / c.prefill_target_queued_tokens)
             reason = f"{queued} queued prompt tokens, target {c.prefill_target_queued_tokens}/worker"
+            ttft = self._p90(self.state.latencies.ttft)
+            if c.ttft_target_ms is not None and ttft is not None:
+                reason += f", TTFT p90 {ttft * 1000:.0f} ms (target {c.ttft_target_ms:g})"
+                if ttft * 1000 > c.ttft_target_ms:
+                    want = max(want, n + 1)
         else:
             waiting = len(self.state.pending_decode)
             reports = [w.report for w in active if w.report is not None]
@@ -161,7 +166,15 @@ class Pools:
             else:
                 want = n
             reason = f"{waiting} waiting for a slot, KV use {use:.0%}, {running} running"
+            step = self._p90(self.state.latencies.steps)
+            if c.tpot_target_ms is not None and step is not None:
+                reason += f", step p90 {step * 1000:.0f} ms (TPOT target {c.tpot_target_ms:g})"
+                if step * 1000 > c.tpot_target_ms:
+                    want = max(want, n + 1)
         return max(lo, min(hi, want)), reason
+
+    def _p90(self, samples) -> float | None:
+        return self.state.latencies.p90(samples, time.time() - self.config.role_switch_window_s)
 
     def bounds(self, role: Role) -> tuple[int, int]:
         """The sizes autoscaling may take `role`'s pool to. With role switching, workers move between the

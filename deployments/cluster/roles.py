@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -63,35 +62,17 @@ class SwitchDecision(NamedTuple):
                 "reason": self.reason, "completed_at": self.completed_at}
 
 
-def _p90(samples: deque[tuple[float, float]], since: float) -> float | None:
-    values = sorted(v for t, v in samples if t >= since)
-    if not values:
-        return None
-    return values[min(len(values) - 1, int(0.9 * len(values)))]
-
-
 class RoleController:
     """Decides which worker changes role, and when (see the module docstring)."""
 
     def __init__(self, config: ServeConfig, state: RouterState):
         self.config = config
         self.state = state
-        self._ttft: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, seconds) of prefilled requests
-        self._steps: deque[tuple[float, float]] = deque(maxlen=4096)  # (when, seconds) of decode steps
         self.signal: Role | None = None  # the role the load asks a worker for, while it holds
         self.signal_since: float | None = None
         self.last_switch = -math.inf
         self.decisions: deque[SwitchDecision] = deque(maxlen=100)
         self.last_pressure: Pressure | None = None
-
-    # ------------------------------------------------------------------ measurements
-    def record_ttft(self, seconds: float, now: float | None = None) -> None:
-        """A request's first token came `seconds` after it arrived (its prompt was prefilled)."""
-        self._ttft.append((time.time() if now is None else now, seconds))
-
-    def record_step(self, seconds: float, now: float | None = None) -> None:
-        """A decode worker's step (one output token for each of its sequences) took `seconds`."""
-        self._steps.append((time.time() if now is None else now, seconds))
 
     # ------------------------------------------------------------------ the decision
     def pressure(self, now: float) -> Pressure:
@@ -104,7 +85,8 @@ class RoleController:
             len(s.tracked[r].req.prompt_token_ids) for r in s.unplaced if r in s.tracked)
         p = queued / (max(n_p, 1) * c.prefill_target_queued_tokens)
         p_why = f"{queued} queued prompt tokens over {n_p} workers (target {c.prefill_target_queued_tokens} each)"
-        ttft = _p90(self._ttft, since)
+        lat = s.latencies
+        ttft = lat.p90(lat.ttft, since)
         if c.ttft_target_ms is not None and ttft is not None:
             p = max(p, ttft * 1000 / c.ttft_target_ms)
             p_why += f", TTFT p90 {ttft * 1000:.0f} ms (target {c.ttft_target_ms:g})"
@@ -115,7 +97,7 @@ class RoleController:
         d = max(waiting / (max(n_d, 1) * c.decode_target_waiting), use / c.decode_target_kv_use)
         d_why = (f"{waiting} waiting for a slot, {running} running on {n_d} workers, KV use {use:.0%} "
                  f"(targets {c.decode_target_waiting} waiting/worker, {c.decode_target_kv_use:.0%})")
-        step = _p90(self._steps, since)
+        step = lat.p90(lat.steps, since)
         if c.tpot_target_ms is not None and step is not None:
             d = max(d, step * 1000 / c.tpot_target_ms)
             d_why += f", step p90 {step * 1000:.0f} ms (TPOT target {c.tpot_target_ms:g})"

@@ -227,7 +227,7 @@ class Router(RouterCalls):
         if (t := self.state.tracked.get(request_id)) is not None:
             self.traces.prefilled(t.req)
             if t.req.offset == 0 and t.req.arrival_time:
-                self.roles.record_ttft(time.time() - t.req.arrival_time)
+                self.state.latencies.record_ttft(time.time() - t.req.arrival_time)
         self._do(self.placement.prefilled(worker_id, request_id, handle))
 
     async def on_finished(self, worker_id: str, request_id: str) -> None:
@@ -235,7 +235,7 @@ class Router(RouterCalls):
 
     async def report_decode(self, report: DecodeReport) -> None:
         if report.step_s and report.num_running:
-            self.roles.record_step(report.step_s)
+            self.state.latencies.record_step(report.step_s)
         self._do(self.placement.reported(report))
 
     async def on_kv_backup(self, worker_id: str, request_id: str, num_tokens: int, copied_tokens: int) -> None:

@@ -151,6 +151,29 @@ class MoveRecord(NamedTuple):
     fetch_from: str | None  # the prefill worker a decode destination pulls the cached prefix from
 
 
+class Latencies:
+    """What the router measured lately: each prefilled request's TTFT (arrival to prefilled KV) and each
+    decode step's time, as (when, seconds); the role controller and the autoscaler judge their targets
+    (`ttft_target_ms`, `tpot_target_ms`) on the p90 of a recent window."""
+
+    def __init__(self, maxlen: int = 4096):
+        self.ttft: deque[tuple[float, float]] = deque(maxlen=maxlen)
+        self.steps: deque[tuple[float, float]] = deque(maxlen=maxlen)
+
+    def record_ttft(self, seconds: float, now: float | None = None) -> None:
+        self.ttft.append((time.time() if now is None else now, seconds))
+
+    def record_step(self, seconds: float, now: float | None = None) -> None:
+        self.steps.append((time.time() if now is None else now, seconds))
+
+    @staticmethod
+    def p90(samples: deque[tuple[float, float]], since: float) -> float | None:
+        values = sorted(v for t, v in samples if t >= since)
+        if not values:
+            return None
+        return values[min(len(values) - 1, int(0.9 * len(values)))]
+
+
 @dataclass
 class RouterState:
     prefix_index: PrefixIndex
@@ -160,6 +183,7 @@ class RouterState:
     unplaced: list[str] = field(default_factory=list)  # request ids waiting for a prefill worker
     counters: Counters = field(default_factory=Counters)
     moves: deque[MoveRecord] = field(default_factory=lambda: deque(maxlen=100))
+    latencies: Latencies = field(default_factory=Latencies)
 
     @property
     def prefill(self) -> dict[str, WorkerView]:

@@ -124,11 +124,11 @@ def test_decode_pressure_takes_a_prefill_worker():
 def test_ttft_and_tpot_targets_count():
     p, ctl = _parts(workers=("p0", "d0", "d1"), ttft_target_ms=200.0, tpot_target_ms=100.0)
     for i in range(20):
-        ctl.record_ttft(0.5, now=100.0 + i * 0.1)  # 500 ms against 200
+        p.state.latencies.record_ttft(0.5, now=100.0 + i * 0.1)  # 500 ms against 200
     pr = ctl.pressure(102.0)
     assert pr.prefill == pytest.approx(2.5) and "TTFT p90 500 ms" in pr.prefill_why
     for i in range(20):
-        ctl.record_step(0.3, now=100.0 + i * 0.1)
+        p.state.latencies.record_step(0.3, now=100.0 + i * 0.1)
     assert ctl.pressure(102.0).decode == pytest.approx(3.0)
     assert ctl.pressure(200.0).prefill == 0.0  # the window moved on
 
@@ -209,3 +209,20 @@ def test_a_switch_and_a_drain_never_take_the_same_worker():
     for now in range(1100, 1200, 5):  # an idle decode pool: the autoscaler wants fewer decode workers
         p.pools.tick(float(now))
     assert not plan[0].draining and plan[0].switching_to is Role.PREFILL
+
+
+def test_the_latency_targets_drive_autoscaling_too():
+    """Without role switching the targets still count: a TTFT p90 over its target asks the prefill pool
+    for one more worker, a step time over the TPOT target the decode pool (within their bounds)."""
+    p = Parts(("p0", "d0"), prefill_max_workers=2, decode_max_workers=2, ttft_target_ms=200.0,
+              tpot_target_ms=100.0, prefix_aware_routing=False)
+    assert p.pools.desired(Role.PREFILL)[0] == 1 and p.pools.desired(Role.DECODE)[0] == 1
+    for _ in range(10):
+        p.state.latencies.record_ttft(0.5)
+        p.state.latencies.record_step(0.05)
+    want, why = p.pools.desired(Role.PREFILL)
+    assert want == 2 and "TTFT p90 500 ms (target 200)" in why
+    assert p.pools.desired(Role.DECODE)[0] == 1
+    for _ in range(10):
+        p.state.latencies.record_step(0.3)
+    assert p.pools.desired(Role.DECODE)[0] == 2
