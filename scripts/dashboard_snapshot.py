@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,7 +235,7 @@ def evaluate(prom: str, panels: list[Panel], start: float, end: float, step_s: f
 _SCALE = {"percentunit": (100.0, "%"), "s": (1.0, "seconds"), "reqps": (1.0, "requests/s"), "short": (1.0, "")}
 
 
-def draw(results: list[Result], out: Path, caption: str) -> None:
+def draw(results: list[Result], out: Path, caption: str, span_s: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -252,6 +253,7 @@ def draw(results: list[Result], out: Path, caption: str) -> None:
             ax.legend(fontsize=7, loc="upper left", ncol=2 if len(res.series) > 4 else 1, framealpha=0.7)
         else:
             ax.text(0.5, 0.5, "no data in this run", ha="center", va="center", color="0.5", transform=ax.transAxes)
+            ax.set_xlim(0, span_s)
         if res.rejected:
             ax.text(0.5, 0.2, "query rejected", ha="center", color="red", transform=ax.transAxes)
         ax.set_ylabel(label, fontsize=8)
@@ -261,8 +263,8 @@ def draw(results: list[Result], out: Path, caption: str) -> None:
         ax.axis("off")
     for ax in axes[-1]:
         ax.set_xlabel("seconds since the load began", fontsize=8)
-    fig.suptitle(caption, fontsize=9, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.985))
+    fig.suptitle(textwrap.fill(caption, 190), fontsize=9, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     plt.close(fig)
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                f"Prometheus {version} over a {end - start:.0f} s run of {args.requests} requests against "
                f"{'a single-process pdserve' if args.serve else url}, scraped every {args.scrape_s:g} s, "
                f"$__rate_interval = {args.rate_interval}; drawn by matplotlib (not a Grafana screenshot)")
-    draw(results, args.out, caption)
+    draw(results, args.out, caption, end - start)
     shutil.rmtree(work, ignore_errors=True)
     print(f"load: {outcomes}")
     rejected = [q for r in results for q in r.rejected]
