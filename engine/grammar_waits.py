@@ -7,9 +7,9 @@ request was aborted while it waited. The serving layer that owns the engine drai
 step (`take`) and turns each wait into a `grammar.compile` span under the request's trace
 (deployments/cluster/traces.py, deployments/frontend/backend.py). Without a log nothing is noted.
 
-    add_request ──▶ admit_with_grammar ─┬─ compiled already (cache hit) or known to fail ──▶ note at once
-                                        └─ parked ──▶ step: _admit_compiled (ready / failed / too slow) ──▶ note
-                                                  └─ abort ──▶ note ("aborted")
+    add_request ─▶ admit_with_grammar ─┬─ compiled already (cache hit) or known to fail ─▶ note at once
+                                       └─ parked ─┬─ step: _admit_compiled (ready / failed / too slow) ─▶ note
+                                                  └─ abort ─▶ note ("aborted")
 """
 
 from __future__ import annotations

@@ -138,7 +138,8 @@ def start_pdserve(log_dir: Path, extra: list[str]) -> tuple[subprocess.Popen, st
     return proc, url
 
 
-def start_prometheus(binary: str, target: str, scrape_s: float, work: Path, api_key: str | None) -> tuple[subprocess.Popen, str]:
+def start_prometheus(binary: str, target: str, scrape_s: float, work: Path,
+                     api_key: str | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     host_port = target.split("://", 1)[1].rstrip("/")
     job = {"job_name": "pdserve", "scrape_interval": f"{scrape_s:g}s", "scrape_timeout": f"{scrape_s:g}s",
@@ -146,7 +147,8 @@ def start_prometheus(binary: str, target: str, scrape_s: float, work: Path, api_
     if api_key:
         job["authorization"] = {"credentials": api_key}
     config = work / "prometheus.yml"
-    config.write_text(json.dumps({"global": {"scrape_interval": f"{scrape_s:g}s"}, "scrape_configs": [job]}))  # YAML ⊃ JSON
+    # NOTE: JSON is YAML: no YAML writer needed
+    config.write_text(json.dumps({"global": {"scrape_interval": f"{scrape_s:g}s"}, "scrape_configs": [job]}))
     log = open(work / "prometheus.log", "w")
     proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
                              f"--web.listen-address={HOST}:{port}", "--log.level=warn"],
@@ -184,7 +186,8 @@ def one_request(url: str, i: int, api_key: str | None) -> str:
     return str(r.status_code)
 
 
-def drive(url: str, num_requests: int, concurrency: int, waves: int, pause_s: float, api_key: str | None) -> dict[str, int]:
+def drive(url: str, num_requests: int, concurrency: int, waves: int, pause_s: float,
+          api_key: str | None) -> dict[str, int]:
     """`num_requests` requests in `waves` waves, `concurrency` at a time, `pause_s` apart (the panels
     then show load and idle)."""
     outcomes: dict[str, int] = {}
@@ -209,7 +212,8 @@ class Result:
     empty: list[str]  # queries that returned no series
 
 
-def evaluate(prom: str, panels: list[Panel], start: float, end: float, step_s: float, rate_interval: str) -> list[Result]:
+def evaluate(prom: str, panels: list[Panel], start: float, end: float, step_s: float,
+             rate_interval: str) -> list[Result]:
     results = []
     for panel in panels:
         res = Result(panel, [], [], [])

@@ -318,8 +318,8 @@ class LocalEngineBackend:
             traces = [(w, s.trace) for w in waits if (s := self._streams.get(w.request_id)) is not None]
         for w, rt in traces:
             if rt is not None:
-                tracing.record("grammar.compile", rt.span, tracing.seconds_ns(w.start_time), tracing.seconds_ns(w.end_time),
-                               tracing.grammar_attributes(w))
+                tracing.record("grammar.compile", rt.span, tracing.seconds_ns(w.start_time),
+                               tracing.seconds_ns(w.end_time), tracing.grammar_attributes(w))
 
     def _step_failed(self, exc: BaseException) -> None:
         # A bug or a device failure: the requests that step held end (with a generic message: the

@@ -165,7 +165,8 @@ def test_grpc_request_is_one_trace_under_the_clients_traceparent_metadata(tiny_m
     engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_threads=1, num_kv_blocks=64, block_size=4))
     backend = LocalEngineBackend(engine)
     try:
-        service = GenerationService(ServingState(backend, engine.tokenizer, "m", engine.max_model_len, engine.vocab_size))
+        service = GenerationService(ServingState(backend, engine.tokenizer, "m", engine.max_model_len,
+                                                 engine.vocab_size))
         chunks = _grpc_generate(service, pdserve_pb2.GenerateRequest(
             prompt_token_ids=[5, 6, 7, 8], max_tokens=3, temperature=0, ignore_eos=True), TRACEPARENT)
         with pytest.raises(GRPCError) as refused:
