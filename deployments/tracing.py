@@ -178,6 +178,13 @@ def seconds_ns(t: float) -> int:
     return int(t * 1e9)
 
 
+def grammar_attributes(wait: Any) -> dict[str, Any]:
+    """A `grammar.compile` span's attributes, from the engine's `GrammarWait` (engine/grammar_waits.py)."""
+    rnd = lambda x: None if x is None else round(x, 6)  # noqa: E731
+    return {"kind": wait.kind, "cache_hit": wait.cache_hit, "queue_s": rnd(wait.queue_s),
+            "compile_s": rnd(wait.compile_s), "error_cause": wait.error_cause, "error": wait.error}
+
+
 # ---------------------------------------------------------------------- the door's request trace
 @dataclass(slots=True)
 class RequestTrace:

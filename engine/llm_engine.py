@@ -25,6 +25,7 @@ from engine.stop_strings import hit_stop_string
 from engine.sampling_params import SamplingParams, check_cache_salt, check_tenant
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engine.spec.speculator import Speculator, SpecStats
+from engine.grammar_waits import GrammarWait, GrammarWaitLog
 from engine.structured import GrammarCache, GrammarJob
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class _AwaitingGrammar:
     job: GrammarJob
     grammar_prefix: list[int]  # tokens the grammar accepts before the request's next one
     admit: object  # Scheduler.add or Scheduler.add_running
+    since: float  # time.time() it began waiting (its GrammarWait)
 
 
 @dataclass(slots=True)
@@ -117,6 +119,7 @@ class LLMEngine:
         # Requests waiting for their grammar to compile (off this thread): not in the scheduler, so no
         # step waits for them; `_admit_compiled` moves each in once its grammar is ready.
         self._awaiting_grammar: dict[str, _AwaitingGrammar] = {}
+        self.grammar_waits: GrammarWaitLog | None = None  # `watch_grammar_waits`: how long each request waited
         # The requests the last step scheduled (None: it failed before scheduling): a step that raises
         # ends only these (deployments/engine_host.py's owners read it).
         self.step_request_ids: list[str] | None = []
@@ -197,17 +200,24 @@ class LLMEngine:
         else park it until the grammar is ready (`step` admits it then). Raises InvalidRequestError
         at once for a spec known not to compile. `grammar_prefix`: tokens its grammar must accept first."""
         spec = req.params.structured
+        since = time.time()
         job = self.grammars.submit(spec) if spec is not None else None
         if job is not None and not job.future.done():
             self._requests[req.request_id] = req
-            self._awaiting_grammar[req.request_id] = _AwaitingGrammar(req, job, grammar_prefix, admit)
+            self._awaiting_grammar[req.request_id] = _AwaitingGrammar(req, job, grammar_prefix, admit, since)
             return
         try:
             if job is not None:
                 req.grammar = self.grammars.state_from(job.future.result(), spec, grammar_prefix, req.params.min_tokens)
+        except InvalidRequestError as exc:
+            self._note_wait(req.request_id, job, since, "known_invalid" if job.from_cache else "invalid",
+                            invalid_request_text(exc.field, exc.message))
+            raise
         finally:
             if job is not None:
                 self.grammars.release(job)
+        if job is not None:
+            self._note_wait(req.request_id, job, since)
         self._requests[req.request_id] = req
         admit(req)
 
@@ -231,11 +241,30 @@ class LLMEngine:
                     error = invalid_request_text(exc.field, exc.message)
             del self._awaiting_grammar[rid]
             self.grammars.release(job)
+            self._note_wait(rid, job, w.since, None if error is None else "invalid" if job.future.done() else "timeout",
+                            error)
             if error is None:
                 w.admit(w.request)
             else:
                 failed.append(self._fail_unscheduled(w.request, error))
         return failed
+
+    def watch_grammar_waits(self) -> GrammarWaitLog:
+        """Note each structured request's wait for its grammar from now on (engine/grammar_waits.py); the
+        caller drains the returned log (`take`), e.g. after each step."""
+        if self.grammar_waits is None:
+            self.grammar_waits = GrammarWaitLog()
+        return self.grammar_waits
+
+    def _note_wait(self, request_id: str, job: GrammarJob, since: float, error_cause: str | None = None,
+                   error: str | None = None) -> None:
+        if self.grammar_waits is None:
+            return
+        started, finished = job.started_at, job.finished_at
+        self.grammar_waits.note(GrammarWait(
+            request_id, job.spec.kind, job.from_cache, since, time.time(),
+            None if started is None else started - job.submitted_at,
+            None if started is None or finished is None else finished - started, error_cause, error))
 
     def _fail_unscheduled(self, req: Request, error: str) -> RequestOutput:
         """End a request the scheduler never saw (it waited for its grammar); its blocks (a prefilled
@@ -254,6 +283,7 @@ class LLMEngine:
         waiting = self._awaiting_grammar.pop(request_id, None)
         if waiting is not None:  # its compile is cancelled if nobody else waits for it and it has not started
             self.grammars.release(waiting.job)
+            self._note_wait(request_id, waiting.job, waiting.since, "aborted")
             self._fail_unscheduled(waiting.request, "aborted")
             waiting.request.status = RequestStatus.FINISHED_ABORTED
             return True

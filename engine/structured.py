@@ -179,13 +179,15 @@ def compile_error_text(exc: BaseException) -> str:
 class GrammarJob:
     """One spec's compile on the pool: `future` gets the CompiledGrammar (or an InvalidRequestError);
     `waiters` counts the requests waiting for it (the job is cancelled when the last one leaves before
-    it started)."""
+    it started). `from_cache`: done at once (a cached grammar or a remembered failure); `started_at` /
+    `finished_at`: the compile on its thread (`time.monotonic()`), for the requests' grammar waits."""
 
-    __slots__ = ("spec", "future", "waiters", "submitted_at", "started_at")
+    __slots__ = ("spec", "future", "waiters", "submitted_at", "started_at", "finished_at", "from_cache")
 
     def __init__(self, spec: StructuredSpec):
         self.spec, self.future, self.waiters = spec, Future(), 0
-        self.submitted_at, self.started_at = time.monotonic(), None
+        self.submitted_at, self.started_at, self.finished_at = time.monotonic(), None, None
+        self.from_cache = False
 
 
 class GrammarCache:
@@ -253,8 +255,10 @@ class GrammarCache:
                 why = self._failed.get(_spec_key(spec))
                 if hit is not None:
                     self._cache.move_to_end(spec)
+                    job.from_cache = True
                     job.future.set_result(hit[0])
                 elif why is not None:
+                    job.from_cache = True
                     job.future.set_exception(InvalidRequestError(spec.field, why))
                 else:
                     self._jobs[spec] = job
@@ -299,6 +303,7 @@ class GrammarCache:
         with self._lock:
             self.num_running -= 1
             self._jobs.pop(job.spec, None)
+            job.finished_at = time.monotonic()
         if exc is not None:
             job.future.set_exception(exc)
         else:

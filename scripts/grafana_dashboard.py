@@ -38,9 +38,13 @@ PANELS = [
         (f"sum by (pool, worker_id) ({P}pdserve_waiting_seqs)", "waiting {{worker_id}}")]),
     ("KV-cache use", "percentunit", [
         (f"max by (pool, worker_id) ({P}pdserve_kv_cache_usage)", "{{worker_id}}")]),
-    ("Engine step time (p95) and batch size (p50)", "s", [
-        (f"histogram_quantile(0.95, sum by (le, pool) (rate({P}pdserve_step_seconds_bucket[$__rate_interval])))", "step p95 {{pool}}"),
-        (f"histogram_quantile(0.5, sum by (le, pool) (rate({P}pdserve_batch_size_bucket[$__rate_interval])))", "batch p50 {{pool}}")]),
+    # NOTE: one unit per panel: a batch size on a seconds axis reads as seconds
+    ("Engine step time (p50, p95)", "s", [
+        (f"histogram_quantile(0.5, sum by (le, pool) (rate({P}pdserve_step_seconds_bucket[$__rate_interval])))", "p50 {{pool}}"),
+        (f"histogram_quantile(0.95, sum by (le, pool) (rate({P}pdserve_step_seconds_bucket[$__rate_interval])))", "p95 {{pool}}")]),
+    ("Batch size, sequences per step (p50, p95)", "short", [
+        (f"histogram_quantile(0.5, sum by (le, pool) (rate({P}pdserve_batch_size_bucket[$__rate_interval])))", "p50 {{pool}}"),
+        (f"histogram_quantile(0.95, sum by (le, pool) (rate({P}pdserve_batch_size_bucket[$__rate_interval])))", "p95 {{pool}}")]),
     ("Refusals, retries, migrations, deaths", "short", [
         (f"sum(increase({P}pdserve_requests_rejected_total[$__rate_interval]))", "rejected (429)"),
         (f"sum(increase({P}pdserve_retries_total[$__rate_interval]))", "re-prefilled"),

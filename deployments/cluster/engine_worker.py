@@ -126,6 +126,8 @@ class EngineWorker:
                 self.ranks.kill()
             raise
         self.lending = KVLending(self.engine)  # the engine's side of KV transfer
+        # Structured requests' waits for their grammar, drained after each step into `grammar.compile` spans.
+        self._grammar_waits = self.engine.watch_grammar_waits()
         on_cpu = torch.device(self.engine.config.device).type == "cpu"
         share = _node_core_share(worker_id, config) if on_cpu and config.share_node_cores else None
         self.host = EngineHost(self.engine, worker_id, HostHooks(
@@ -311,6 +313,9 @@ class EngineWorker:
     def _stepped(self, outs: list[RequestOutput], stats) -> None:
         with self.lock:
             metrics.record_step(self.role.value, self.worker_id, stats, self.engine)
+            waits = self._grammar_waits.take()
+        if waits:  # before the outputs end their requests' spans
+            self.traces.grammar_waits(waits)
         self._after_step(outs, stats)
 
     def _step_failed(self, exc: BaseException) -> None:

@@ -51,12 +51,22 @@ class WorkerTraces:
                 tracing.record("prefill.chunk", span, start_ns, end_ns,
                                {"step_prefill_tokens": stats.num_prefill_tokens, "step_seqs": stats.num_seqs})
 
-    def child(self, request_id: str, name: str, start_ns: int, attributes: Mapping[str, Any] | None = None) -> None:
-        """A finished span under `request_id`'s open span."""
+    def child(self, request_id: str, name: str, start_ns: int, attributes: Mapping[str, Any] | None = None,
+              end_ns: int | None = None) -> None:
+        """A finished span under `request_id`'s open span (from `start_ns` to `end_ns`, default now)."""
         with self._lock:
             span = self._open.get(request_id)
         if span is not None:
-            tracing.record(name, span, start_ns, attributes=attributes)
+            tracing.record(name, span, start_ns, end_ns, attributes=attributes)
+
+    def grammar_waits(self, waits: Iterable[Any]) -> None:
+        """The engine's `GrammarWait`s (engine/grammar_waits.py) drained after a step: a `grammar.compile`
+        span under each one's open span (prefill or decode); a request without one is not traced here."""
+        if not self._open:
+            return
+        for w in waits:
+            self.child(w.request_id, "grammar.compile", tracing.seconds_ns(w.start_time),
+                       tracing.grammar_attributes(w), tracing.seconds_ns(w.end_time))
 
     def end(self, request_id: str, attributes: Mapping[str, Any] | None = None) -> None:
         if not self._open:

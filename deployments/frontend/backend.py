@@ -112,6 +112,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     num_prompt_tokens: int = 0
+    trace: Any = None  # the door's RequestTrace (deployments/tracing.py); None: not traced
 
 
 class LocalEngineBackend:
@@ -142,6 +143,8 @@ class LocalEngineBackend:
         self._streams: dict[str, _Stream] = {}  # guarded by _cv
         self._closed = False
         self._idle_since: float | None = None  # engine thread only
+        # Structured requests' waits for their grammar, drained after each step into `grammar.compile` spans.
+        self._grammar_waits = engine.watch_grammar_waits()
         from deployments.engine_host import EngineHost, HostHooks  # torch: the door's process does not need it
 
         self.host = EngineHost(engine, "pdserve", HostHooks(after_step=self._deliver_step, step_failed=self._step_failed,
@@ -153,10 +156,10 @@ class LocalEngineBackend:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int = 0, cache_salt: str | None = None, tenant: str | None = None,
                        tenant_weight: float = 1.0) -> AsyncIterator[TokenDelta]:
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids))
+        rt = tracing.current()  # the door's trace of this request (None: tracing off)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(prompt_token_ids), rt)
         timer = metrics.RequestTimer()
         t0 = time.time_ns()
-        rt = tracing.current()  # the door's trace of this request (None: tracing off)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine backend is shut down")
@@ -302,10 +305,21 @@ class LocalEngineBackend:
     def _deliver_step(self, outputs: list, stats: Any) -> None:
         self._idle_since = None
         self._record_metrics(stats)
+        if waits := self._grammar_waits.take():  # before the outputs end their streams
+            self._trace_grammar_waits(waits)
         for out in outputs:
             self._deliver(out.request_id, TokenDelta(
                 list(out.new_token_ids), out.finished, out.finish_reason, out.error, out.num_prompt_tokens,
                 out.num_cached_tokens, _list_or_none(out.logprobs), out.prompt_logprobs))
+
+    def _trace_grammar_waits(self, waits: list) -> None:
+        """A `grammar.compile` span under each traced request's root span (engine/grammar_waits.py)."""
+        with self._cv:
+            traces = [(w, s.trace) for w in waits if (s := self._streams.get(w.request_id)) is not None]
+        for w, rt in traces:
+            if rt is not None:
+                tracing.record("grammar.compile", rt.span, tracing.seconds_ns(w.start_time),
+                               tracing.seconds_ns(w.end_time), tracing.grammar_attributes(w))
 
     def _step_failed(self, exc: BaseException) -> None:
         # A bug or a device failure: the requests that step held end (with a generic message: the

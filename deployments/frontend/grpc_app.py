@@ -32,6 +32,7 @@ import functools
 import json
 import logging
 import math
+import time
 import uuid
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
@@ -42,6 +43,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 
 from google.protobuf import unknown_fields
 
+from deployments import tracing
 from deployments.frontend.auth import bearer_matches
 from deployments.frontend.backend import GenerateBackend, LocalEngineBackend, QueueFullError
 from deployments.frontend.fanout import MAX_N, FanOut
@@ -264,6 +266,16 @@ def _fail(grpc_context: RayServegRPCContext, e: GRPCError) -> GRPCError:
     return e
 
 
+def _begin_trace(grpc_context: RayServegRPCContext, request_id: str) -> tracing.RequestTrace | None:
+    """The call's root span when tracing is on (deployments/tracing.py), as the HTTP door's: a child of
+    the client's W3C `traceparent` (and `tracestate`) metadata when it sent them."""
+    if not tracing.enabled():
+        return None
+    metadata = {k.lower(): v for k, v in grpc_context.invocation_metadata() if isinstance(v, str)}
+    return tracing.begin_request("request", metadata, time.time_ns(), {
+        "rpc.system": "grpc", "rpc.method": "pdserve.Generation/Generate", "stream": True, "request_id": request_id})
+
+
 class GenerationService:
     """`pdserve.Generation`, one method per RPC (named as in the .proto), without Serve: what the
     deployment below runs, and what tests drive in process with a stand-in context.
@@ -300,12 +312,18 @@ class GenerationService:
     async def Generate(self, request: pdserve_pb2.GenerateRequest,
                        grpc_context: RayServegRPCContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         request_id = f"grpc-{uuid.uuid4().hex}"
+        rt = _begin_trace(grpc_context, request_id)  # None: tracing off
         try:
             ok, tenant = self._caller(grpc_context)
             if not ok:
                 raise UNAUTHENTICATED
             n = num_samples(request)
+            t_prepare = time.time_ns()
             prepared = await prepare_request(request, self.model)
+            if rt is not None:
+                tracing.record("door.prepare", rt.span, t_prepare, attributes={
+                    "prompts": 1, "prompt_tokens": len(prepared.prompt_token_ids), "n": n,
+                    "structured_output": prepared.params.structured is not None})
             try:
                 (prepared,), admission = admit_call(self.tenants, tenant, [prepared], n, self.max_request_tokens)
             except APIError as e:
@@ -314,8 +332,10 @@ class GenerationService:
             async for out in generate_stream(self.backend, self.model, request_id, prepared, n, admission.release):
                 yield out
         except GRPCError as e:
+            tracing.end_request(rt, e.code.name)
             raise _fail(grpc_context, e)
         except Exception as e:  # noqa: BLE001 - a bug: the log gets the text, the client a generic status
+            tracing.end_request(rt, type(e).__name__)
             logger.error("gRPC request %s failed", request_id, exc_info=e)
             raise _fail(grpc_context, GRPCError(grpc.StatusCode.INTERNAL, f"internal error in request {request_id}; "
                                                                           "the server log has the cause")) from None

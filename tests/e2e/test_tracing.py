@@ -28,6 +28,7 @@ from helpers import local_ray, pdserve_router, wait_for
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}
+OTHER_TRACE = "6bf92f3577b34da6a3ce929d0e0e4738"
 
 
 @pytest.fixture
@@ -104,6 +105,92 @@ def test_single_process_request_is_one_trace_under_the_clients_traceparent(tiny_
     assert {s["trace_id"] for s in spans} == {CLIENT_TRACE}
 
 
+def test_single_process_structured_request_traces_its_grammar_compile(tiny_model_dir, memory_spans):
+    """A request with an output constraint: its grammar's compile (engine/grammar_waits.py) is a
+    `grammar.compile` span under the request's root; the same constraint again is a cache hit."""
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_threads=1, num_kv_blocks=64, block_size=4))
+    backend = LocalEngineBackend(engine)
+    body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 12, "temperature": 0, "guided_regex": "[a-c]{2}-[0-9]"}
+    try:
+        app = build_openai_app(backend, engine.tokenizer, "m", engine.max_model_len)
+        first = asyncio.run(_complete(app, body, TRACEPARENT))
+        again = asyncio.run(_complete(app, body, {"traceparent": f"00-{OTHER_TRACE}-{CLIENT_SPAN}-01"}))
+    finally:
+        backend.shutdown()
+    assert first["choices"][0]["finish_reason"] == again["choices"][0]["finish_reason"] == "stop"
+    spans = [tracing.span_dict(s) for s in memory_spans.get_finished_spans()]
+    for trace_id, cache_hit in ((CLIENT_TRACE, False), (OTHER_TRACE, True)):
+        by_name, _ = _tree([s for s in spans if s["trace_id"] == trace_id])
+        root, grammar = _one(by_name, "request"), _one(by_name, "grammar.compile")
+        assert grammar["parent_id"] == root["span_id"]
+        attrs = grammar["attributes"]
+        assert attrs["kind"] == "regex" and attrs["cache_hit"] is cache_hit and "error_cause" not in attrs
+        assert (attrs.get("compile_s", 0) > 0) is not cache_hit  # a hit compiled nothing
+        # it waited after the door prepared the request, and before its first token
+        assert _one(by_name, "door.prepare")["end_ns"] <= grammar["start_ns"] <= grammar["end_ns"]
+        assert grammar["end_ns"] <= _one(by_name, "first_token")["start_ns"]
+
+
+class _GrpcContext:
+    """What GenerationService reads of Serve's RayServegRPCContext: the call's metadata, and its status."""
+
+    def __init__(self, metadata: dict[str, str]):
+        self.metadata = [("application", "pdserve-grpc"), *metadata.items()]
+        self.code = None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+def _grpc_generate(service, request, metadata: dict[str, str]) -> list:
+    async def run():
+        return [out async for out in service.Generate(request, _GrpcContext(metadata))]
+    return asyncio.run(run())
+
+
+def test_grpc_request_is_one_trace_under_the_clients_traceparent_metadata(tiny_model_dir, memory_spans):
+    """The gRPC door starts the request's trace as the HTTP door does, from W3C `traceparent` metadata;
+    a call it refuses ends its root span with the status."""
+    import grpc
+
+    from deployments.frontend.grpc import pdserve_pb2
+    from deployments.frontend.grpc_app import GenerationService, GRPCError, ServingState
+
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama"), num_threads=1, num_kv_blocks=64, block_size=4))
+    backend = LocalEngineBackend(engine)
+    try:
+        service = GenerationService(ServingState(backend, engine.tokenizer, "m", engine.max_model_len,
+                                                 engine.vocab_size))
+        chunks = _grpc_generate(service, pdserve_pb2.GenerateRequest(
+            prompt_token_ids=[5, 6, 7, 8], max_tokens=3, temperature=0, ignore_eos=True), TRACEPARENT)
+        with pytest.raises(GRPCError) as refused:
+            _grpc_generate(service, pdserve_pb2.GenerateRequest(prompt="hi", n=0),
+                           {"traceparent": f"00-{OTHER_TRACE}-{CLIENT_SPAN}-01"})
+    finally:
+        backend.shutdown()
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
+    assert refused.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    spans = [tracing.span_dict(s) for s in memory_spans.get_finished_spans()]
+    by_name, _ = _tree([s for s in spans if s["trace_id"] == CLIENT_TRACE])
+    root = _one(by_name, "request")
+    assert root["parent_id"] == CLIENT_SPAN and root["attributes"]["rpc.system"] == "grpc"
+    assert root["attributes"]["request_id"] == chunks[-1].request_id
+    assert root["attributes"]["finish_reason"] == "length"
+    for name in ("door.prepare", "first_token", "finish"):
+        assert _one(by_name, name)["parent_id"] == root["span_id"], name
+    assert _one(by_name, "door.prepare")["attributes"]["prompt_tokens"] == 4
+    assert _one(by_name, "finish")["attributes"]["completion_tokens"] == 3
+    refused_root = [s for s in spans if s["trace_id"] == OTHER_TRACE]
+    assert len(refused_root) == 1 and refused_root[0]["parent_id"] == CLIENT_SPAN
+    assert refused_root[0]["attributes"]["error"] == "INVALID_ARGUMENT"
+
+
 # ---------------------------------------------------------------------- disaggregated, across Ray actors
 @pytest.fixture(scope="module")
 def traced_cluster(tmp_path_factory):
@@ -173,6 +260,33 @@ def test_disaggregated_request_spans_each_under_the_right_parent(traced_cluster,
     # the order a request lives through
     assert root["start_ns"] <= prefill["start_ns"] <= kv["start_ns"] <= decode["start_ns"] <= decode["end_ns"]
     print("\n".join(_as_text(spans)))  # for the record (pytest -s): the trace as an indented tree
+
+
+def test_disaggregated_structured_request_traces_each_workers_grammar_compile(traced_cluster, memory_spans):
+    """Both engines a constrained request crosses compile its grammar (the prefill worker's constrains
+    the first token): each compile is a `grammar.compile` span under that worker's span."""
+    router, tokenizer, info, out = traced_cluster
+    backend = RouterBackend(router, StreamHub(), "hub-trace-grammar", request_timeout_s=120)
+    app = build_openai_app(backend, tokenizer, "m", info.max_model_len)
+    trace_id = "7bf92f3577b34da6a3ce929d0e0e4739"
+    body = {"model": "m", "prompt": list(range(500, 530)), "max_tokens": 8, "temperature": 0,
+            "guided_regex": "(yes|no)-[0-9]"}
+    result = asyncio.run(_complete(app, body, {"traceparent": f"00-{trace_id}-{CLIENT_SPAN}-01"}))
+    assert result["choices"][0]["finish_reason"] == "stop" and result["choices"][0]["text"] in (
+        *(f"yes-{i}" for i in range(10)), *(f"no-{i}" for i in range(10)))
+    door = [tracing.span_dict(s) for s in memory_spans.get_finished_spans()]
+    spans = wait_for(lambda: door + _cluster_spans(out, trace_id),
+                     lambda ss: sum(s["name"] == "grammar.compile" for s in ss) == 2 and
+                     any(s["name"] == "decode" for s in ss), timeout_s=30, what="both grammar.compile spans")
+    by_name, by_id = _tree(spans)
+    prefill, decode = _one(by_name, "prefill"), _one(by_name, "decode")
+    for worker_span in (prefill, decode):
+        grammar = next(s for s in by_name["grammar.compile"] if s["parent_id"] == worker_span["span_id"])
+        assert grammar["service"] == worker_span["service"]
+        attrs = grammar["attributes"]
+        assert attrs["kind"] == "regex" and "error_cause" not in attrs
+        assert attrs["cache_hit"] or attrs["compile_s"] > 0  # the decode worker may have compiled it before
+    assert _one(by_name, "decode")["attributes"]["finish_reason"] == "stop"
 
 
 def _as_text(spans: list[dict]) -> list[str]:

@@ -225,6 +225,63 @@ def test_a_compile_past_its_budget_fails_its_request_alone_and_abort_cancels(llm
         eng.grammars.timeout_s = budget
 
 
+def _step_until_done(eng, request_id: str):
+    for _ in range(10_000):
+        done = next((o for o in eng.step() if o.request_id == request_id and o.finished), None)
+        if done is not None:
+            return done
+        time.sleep(0.001)
+    raise AssertionError(f"{request_id} never finished")
+
+
+def test_each_structured_requests_grammar_wait_is_noted_for_its_trace(llm):
+    """engine/grammar_waits.py: with a log attached, each structured request's wait for its grammar is
+    noted once it ends: a compile (how long it queued and ran), a cache hit, a spec that does not
+    compile, the same spec refused at once, and an abort while compiling. Unstructured requests and an
+    engine without a log note nothing."""
+    eng = llm.engine
+    assert eng.grammar_waits is None
+    log = eng.watch_grammar_waits()
+    try:
+        spec = StructuredSpec("regex", "[d-f]{2}-[0-9]")
+        t0 = time.time()
+        eng.add_request("miss", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, structured=spec))
+        eng.add_request("plain", PROMPTS[1], SamplingParams(max_tokens=2, temperature=0))
+        assert _step_until_done(eng, "miss").finish_reason == "stop"
+        while eng.has_unfinished_requests():
+            eng.step()
+        eng.add_request("hit", PROMPTS[2], SamplingParams(max_tokens=8, temperature=0, structured=spec))
+        assert _step_until_done(eng, "hit").finish_reason == "stop"
+        miss, hit = log.take()
+        assert miss.request_id == "miss" and miss.kind == "regex" and not miss.cache_hit
+        assert miss.error_cause is None and miss.error is None
+        assert miss.compile_s > 0 and miss.queue_s >= 0
+        assert t0 <= miss.start_time <= miss.end_time <= time.time()
+        assert miss.end_time - miss.start_time >= miss.compile_s  # it waited at least the compile
+        assert hit.request_id == "hit" and hit.cache_hit and hit.compile_s is None and hit.error_cause is None
+
+        bad = StructuredSpec("grammar", 'root ::= "waits" |')  # not used by another test: not remembered yet
+        eng.add_request("bad", [5, 6], SamplingParams(structured=bad))
+        assert _step_until_done(eng, "bad").finish_reason == "error"
+        with pytest.raises(InvalidRequestError):
+            eng.add_request("bad-again", [5, 6], SamplingParams(structured=bad))
+        with _SlowCompiles() as slow:
+            eng.add_request("gone", PROMPTS[0], SamplingParams(max_tokens=4, structured=StructuredSpec("regex", "g+")))
+            assert slow.started.acquire(timeout=30)
+            assert eng.abort("gone")
+        failed, again, gone = log.take()
+        assert (failed.request_id, failed.error_cause, failed.cache_hit) == ("bad", "invalid", False)
+        assert parse_invalid_request(failed.error).field == "guided_grammar" and failed.compile_s is not None
+        assert (again.request_id, again.error_cause, again.cache_hit) == ("bad-again", "known_invalid", True)
+        assert parse_invalid_request(again.error).field == "guided_grammar"
+        assert (gone.request_id, gone.error_cause, gone.compile_s) == ("gone", "aborted", None)
+        assert log.take() == []
+    finally:
+        eng.grammar_waits = None
+    eng.add_request("unwatched", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0, structured=spec))
+    assert _step_until_done(eng, "unwatched").finish_reason == "stop" and log.take() == []
+
+
 def test_schema_limits_refuse_before_compiling(llm):
     eng = llm.engine
     deep: dict = {"type": "string"}

@@ -12,7 +12,7 @@ import ray
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.kv_lending import KVLending
 from helpers import local_ray
-from kv_transfer import EpochMismatchError, LeaseExpiredError, PeerDiedError
+from kv_transfer import EpochMismatchError, LeaseExpiredError, PeerDiedError, ProtocolError
 
 # Ray workers cannot import this test module: ship its classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -37,7 +37,7 @@ class Prefill:
                                       timeout_s=20, host="127.0.0.1")
         self.push_delay_s = push_delay_s
 
-    def prefill(self, rid: str, prompt: str):
+    def prefill(self, rid: str, prompt: str, lease_s: float | None = None):
         with self.lock:
             ids = self.engine.encode_prompt(prompt)
             self.engine.add_request(rid, ids, PARAMS, prefill_only=True)
@@ -45,7 +45,7 @@ class Prefill:
                 for out in self.engine.step():
                     if out.request_id == rid and out.finished:
                         assert out.finish_reason == "prefilled", out.finish_reason
-                        return self.kv_exporter.grant(out, len(ids)), ids
+                        return self.kv_exporter.grant(out, len(ids), lease_s), ids
 
     def regrant(self, handle):
         return self.kv_exporter.leases.grant(handle.request_id, list(handle.block_ids), handle.num_tokens,
@@ -72,6 +72,23 @@ class Prefill:
 
     def kv_probe(self, peer_id, nbytes):
         return self.kv_exporter.probe(peer_id, nbytes)
+
+    def corrupt_headers(self, peer_id):
+        """Fault injection: each KV header sent to `peer_id` from now on has a field changed after its
+        checksum was computed (as a corrupting wire would)."""
+        import torch
+
+        from kv_transfer.protocol import HEADER_LEN
+
+        channel = self.kv_exporter.transport.channel(peer_id)
+        real = channel.isend
+
+        def isend(tensor, tag=0):
+            if tag == 0 and tensor.dtype == torch.int64 and tensor.numel() == HEADER_LEN:
+                tensor = tensor.clone()
+                tensor[5] += 1
+            return real(tensor, tag)
+        channel.isend = isend
 
 
 @ray.remote(num_cpus=1, max_concurrency=8)
@@ -210,10 +227,11 @@ def test_sender_killed_mid_transfer(cluster, decode):
 
 def test_pair_book_counts_each_failure_by_cause(cluster, decode):
     """The decode side's book of KV pairs (kv_transfer/pair_stats.py): a probe measured when each channel
-    opened, transfers and bytes, and failures by cause: leases that expired and a sender killed
-    mid-transfer, injected here on pairs of their own."""
+    opened, transfers and bytes, and failures by cause: leases that expired, a sender killed
+    mid-transfer and a header corrupted on the wire, injected here on pairs of their own."""
     p = Prefill.remote("p-cause", lease_s=0.5)
-    h, ids = ray.get(p.prefill.remote("c0", PROMPTS[3]))
+    # NOTE: a lease long enough for the channel's opening and probe on a loaded host (0.5 s was not)
+    h, ids = ray.get(p.prefill.remote("c0", PROMPTS[3], 30.0))
     assert ray.get(decode.pull.remote(h, ids, p)) == h.num_blocks  # opens (and probes) the channel
     ray.get(decode.run.remote())
     for i in (1, 2):
@@ -231,12 +249,18 @@ def test_pair_book_counts_each_failure_by_cause(cluster, decode):
     with pytest.raises(PeerDiedError):
         ray.get(ref, timeout=30)
 
+    ray.get(p.corrupt_headers.remote("d0"))
+    h5, ids5 = ray.get(p.prefill.remote("c5", PROMPTS[3], 30.0))
+    with pytest.raises(ProtocolError, match="corrupted"):
+        ray.get(decode.pull.remote(h5, ids5, p))
+
     pairs = ray.get(decode.pairs.remote())
     ok, gone = pairs["p-cause"], pairs["p-cause-kill"]
     assert ok["src"] == "p-cause" and ok["dst"] == "d0" and ok["transport"] == "gloo"
     assert ok["probe_gbps"] > 0 and ok["live_gbps"] > 0 and ok["num_opens"] == 1
     assert ok["num_transfers"] == 1 and ok["num_bytes"] == h.nbytes
-    assert ok["failures"] == {"lease_expired": 2}
+    assert ok["failures"] == {"lease_expired": 2, "checksum": 1}
+    assert ok["last_failure"] == "ProtocolError (checksum)"
     assert gone["failures"] == {"peer_gone": 1} and gone["num_transfers"] == 1
     assert gone["last_failure"] == "PeerDiedError (peer_gone)"
     assert ok["note"] is None  # CPU to CPU over gloo is all this hardware has
