@@ -50,6 +50,10 @@ PANELS = [
         (f"sum(increase({P}pdserve_retries_total[$__rate_interval]))", "re-prefilled"),
         (f"sum(increase({P}pdserve_migrations_total[$__rate_interval]))", "moved off a dead decode worker"),
         (f"sum by (pool) (increase({P}pdserve_worker_deaths_total[$__rate_interval]))", "deaths {{pool}}")]),
+    ("Pool sizes and role switches", "short", [
+        (f"max by (pool) ({P}pdserve_pool_workers)", "workers {{pool}}"),
+        (f"sum by (from_role, to_role) (increase({P}pdserve_role_switches_total[$__rate_interval]))",
+         "switches {{from_role}} -> {{to_role}}")]),
     ("KV pairs: probe and live GB/s", "short", [
         (f"max by (src, dst, transport) ({P}pdserve_kv_pair_probe_gbps)", "probe {{src}} -> {{dst}} ({{transport}})"),
         (f"max by (src, dst, transport) ({P}pdserve_kv_pair_live_gbps)", "live {{src}} -> {{dst}} ({{transport}})")]),
