@@ -217,3 +217,53 @@ def read_until_every_choice(response: Any, num_choices: int) -> set[int]:
             break
     return seen
 
+
+
+def generate_via_router(router: Any, prompts: Sequence[list[int]], params: SamplingParams,
+                        on_progress: Callable[[list[int]], Any] | None = None, tag: str = "r",
+                        timeout_s: float = 300.0) -> list[list[int]]:
+    """Stream every prompt through pdserve's `router` at once (`RouterBackend`, a StreamHub in this
+    process) and return each one's tokens; an error event fails the test. `on_progress(progress)`, a
+    coroutine, runs beside the streams with their token counts so far (to act mid-stream)."""
+    import asyncio
+
+    from deployments.frontend.router_client import RouterBackend
+    from deployments.frontend.stream_hub import StreamHub
+
+    backend = RouterBackend(router, StreamHub(), f"hub-{tag}", request_timeout_s=120)
+    progress = [0] * len(prompts)
+
+    async def one(i: int, p: list[int]) -> list[int]:
+        toks: list[int] = []
+        async for d in backend.generate(f"{tag}{i}-{time.monotonic_ns()}", p, params):
+            assert d.finish_reason != "error", d.error
+            toks += d.token_ids
+            progress[i] = len(toks)
+        return toks
+
+    async def run() -> list[list[int]]:
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
+        if on_progress is not None:
+            await on_progress(progress)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout_s)
+
+    return asyncio.run(run())
+
+
+class FakeGrpcContext:
+    """What the gRPC door (`GenerationService`) reads of Serve's gRPC context: the call's metadata, and
+    the status code and details it sets."""
+
+    def __init__(self, metadata: Sequence[tuple[str, str]] = ()):
+        self.metadata = list(metadata)
+        self.code = None
+        self.details = None
+
+    def invocation_metadata(self):
+        return self.metadata
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details

@@ -20,6 +20,7 @@ from deployments.frontend.openai_protocol import APIError
 from deployments.frontend.tenants import Tenant, TenantBook, TenantFileError
 from deployments.http_limits import head_deadline_protocol
 from engine import EngineConfig, LLMEngine
+from helpers import FakeGrpcContext
 
 ALICE, BOB, CAROL = "sk-alice-0123", "sk-bob-456789", "sk-carol-9876"
 
@@ -185,19 +186,6 @@ def test_a_connection_without_a_whole_head_is_closed(app):
 
 
 # ---------------------------------------------------------------------- the gRPC door
-class _Ctx:
-    def __init__(self, key: str | None):
-        self.metadata = [("authorization", f"Bearer {key}")] if key else []
-        self.code = None
-
-    def invocation_metadata(self):
-        return self.metadata
-
-    def set_code(self, code):
-        self.code = code
-
-    def set_details(self, details):
-        pass
 
 
 def test_tenant_keys_and_shares_at_the_grpc_door(engine, backend):
@@ -212,7 +200,7 @@ def test_tenant_keys_and_shares_at_the_grpc_door(engine, backend):
 
     def call(key, **fields):
         async def run():
-            return [c async for c in service.Generate(pdserve_pb2.GenerateRequest(**fields), _Ctx(key))]
+            return [c async for c in service.Generate(pdserve_pb2.GenerateRequest(**fields), FakeGrpcContext([("authorization", f"Bearer {key}")] if key else []))]
         try:
             return asyncio.run(run())
         except GRPCError as e:

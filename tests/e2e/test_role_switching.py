@@ -13,11 +13,9 @@ import pytest
 import ray
 
 from deployments.config import ServeConfig
-from deployments.frontend.router_client import RouterBackend
-from deployments.frontend.stream_hub import StreamHub
 from deployments.status_cli import render
 from engine import EngineConfig, LLMEngine, SamplingParams
-from helpers import local_ray, pdserve_router, run_offline, wait_for, wait_no_leaks
+from helpers import generate_via_router, local_ray, pdserve_router, run_offline, wait_for, wait_no_leaks
 
 PROMPTS = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerate((5, 23, 40, 9, 31, 17))]
 PARAMS = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
@@ -53,24 +51,7 @@ def reference(model):
 
 
 def _generate(router, prompts, params=PARAMS, on_progress=None, tag="r"):
-    backend = RouterBackend(router, StreamHub(), f"hub-{tag}", request_timeout_s=120)
-    progress = [0] * len(prompts)
-
-    async def one(i, p):
-        toks = []
-        async for d in backend.generate(f"{tag}{i}-{time.monotonic_ns()}", p, params):
-            assert d.finish_reason != "error", d.error
-            toks += d.token_ids
-            progress[i] = len(toks)
-        return toks
-
-    async def run():
-        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(prompts)]
-        if on_progress is not None:
-            await on_progress(progress)
-        return await asyncio.wait_for(asyncio.gather(*tasks), 300)
-
-    return asyncio.run(run())
+    return generate_via_router(router, prompts, params, on_progress, tag)
 
 
 def _once_streaming(action):

@@ -23,7 +23,7 @@ from deployments.frontend.http_app import build_openai_app
 from deployments.frontend.router_client import RouterBackend
 from deployments.frontend.stream_hub import StreamHub
 from engine import EngineConfig, LLMEngine
-from helpers import local_ray, pdserve_router, wait_for
+from helpers import FakeGrpcContext, local_ray, pdserve_router, wait_for
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -131,26 +131,9 @@ def test_single_process_structured_request_traces_its_grammar_compile(tiny_model
         assert grammar["end_ns"] <= _one(by_name, "first_token")["start_ns"]
 
 
-class _GrpcContext:
-    """What GenerationService reads of Serve's RayServegRPCContext: the call's metadata, and its status."""
-
-    def __init__(self, metadata: dict[str, str]):
-        self.metadata = [("application", "pdserve-grpc"), *metadata.items()]
-        self.code = None
-
-    def invocation_metadata(self):
-        return self.metadata
-
-    def set_code(self, code):
-        self.code = code
-
-    def set_details(self, details):
-        self.details = details
-
-
 def _grpc_generate(service, request, metadata: dict[str, str]) -> list:
     async def run():
-        return [out async for out in service.Generate(request, _GrpcContext(metadata))]
+        return [out async for out in service.Generate(request, FakeGrpcContext([("application", "pdserve-grpc"), *metadata.items()]))]
     return asyncio.run(run())
 
 
