@@ -56,7 +56,10 @@ class RoleSide(PrefillSide, DecodeSide):
                 cap = self.config.engine_config(role.value).max_prefill_tokens_per_step
                 sched = self.engine.scheduler
                 sched.config = dataclasses.replace(sched.config, max_prefill_tokens_per_step=cap)
-            return old
+            report = self.report() if role is Role.DECODE else None
+        if report is not None:  # its free blocks (prompts' KV still leased here count), before any admission
+            self.router.report_decode.remote(report)
+        return old
 
     def _prefilling(self, request_id: str) -> bool:
         return request_id in self._prefill_ids

@@ -177,8 +177,10 @@ class RoleController:
         assert to is not None
         self.state.pools[w.role].pop(w.worker_id, None)
         old, w.role, w.switching_to, w.switch_since = w.role, to, None, None
-        w.queued_prompt_tokens = 0
-        w.report, w.reserved_blocks, w.reserved_seqs, w.reserved_prefill_tokens = None, 0, 0, 0
+        w.queued_prompt_tokens = 0  # (its prompts all ended: `old_role_work`)
+        w.reserved_blocks, w.reserved_seqs, w.reserved_prefill_tokens = 0, 0, 0
+        if to is Role.PREFILL:
+            w.report = None  # a decode worker's picture; joining decode, it keeps what it reported (set_role)
         self.state.pools[to][w.worker_id] = w
         self.last_switch = now  # the dwell counts from when it took the new work
         for i in range(len(self.decisions) - 1, -1, -1):
