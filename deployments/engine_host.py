@@ -64,6 +64,17 @@ class HostHooks:
     closing: Callable[[], None] = _nothing
 
 
+def _settle(set_it: Callable[[Any], None], value: Any) -> None:
+    """Hand a posted command's outcome to its future, unless the caller cancelled it meanwhile (an
+    awaiting task cancelled: `asyncio.wrap_future` cancels the future too). NOTE: set_result on a
+    cancelled future raises, and raised on the engine thread it ended the thread: every later request
+    of that process then hung."""
+    try:
+        set_it(value)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 class EngineHost:
     """Steps one `LLMEngine` on a thread of its own. `start()` once the hooks' owner is ready.
 
@@ -121,9 +132,11 @@ class EngineHost:
 
         def run() -> None:
             try:
-                fut.set_result(fn(self.engine))
+                result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+                _settle(fut.set_exception, e)
+            else:
+                _settle(fut.set_result, result)
         self._commands.append(run)
         self._wake.set()
         return fut
@@ -196,7 +209,10 @@ class EngineHost:
             if self._share:
                 threads = self._claim_cores(busy, threads)
             if not busy:
-                self.hooks.idle()
+                try:
+                    self.hooks.idle()
+                except Exception:  # noqa: BLE001 - idle bookkeeping must not end the host
+                    logger.exception("%s: idle hook failed", self.name)
                 if not self._commands:
                     self._wake.wait(self.idle_wait_s)
                 continue

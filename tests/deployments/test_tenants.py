@@ -200,7 +200,8 @@ def test_tenant_keys_and_shares_at_the_grpc_door(engine, backend):
 
     def call(key, **fields):
         async def run():
-            return [c async for c in service.Generate(pdserve_pb2.GenerateRequest(**fields), FakeGrpcContext([("authorization", f"Bearer {key}")] if key else []))]
+            ctx = FakeGrpcContext([("authorization", f"Bearer {key}")] if key else [])
+            return [c async for c in service.Generate(pdserve_pb2.GenerateRequest(**fields), ctx)]
         try:
             return asyncio.run(run())
         except GRPCError as e:

@@ -82,3 +82,41 @@ def test_the_step_leaves_its_forward_pass_only_after_a_call_in_it_returns():
     assert w.on_blocks(slow, timeout_s=2.0)
     th.join()
     assert left[0] >= done[0] and not w._in_forward
+
+
+def test_a_command_whose_caller_stopped_waiting_does_not_end_the_engine_thread():
+    """An awaiting task that is cancelled cancels the future of its posted command (asyncio.wrap_future):
+    the command still runs, its outcome goes nowhere, and the host keeps serving. (Setting a cancelled
+    future's result raised on the engine thread and ended it: every later call of the process hung.)
+    Failing idle bookkeeping does not end it either."""
+    import types
+
+    from deployments.engine_host import HostHooks
+
+    engine = types.SimpleNamespace(config=types.SimpleNamespace(device="meta", num_threads=None),
+                                   has_unfinished_requests=lambda: False)
+    idles = []
+
+    def idle():
+        idles.append(1)
+        if len(idles) == 1:
+            raise RuntimeError("idle bookkeeping broke")
+
+    host = EngineHost(engine, "t", HostHooks(after_step=lambda o, s: None, step_failed=lambda e: None, idle=idle),
+                      idle_wait_s=0.01)
+    ran, gate = [], threading.Event()
+    host._commands.append(lambda: gate.wait(10))  # hold the thread so the next command is cancelled first
+    host.start()
+    try:
+        doomed = host.post(lambda eng: ran.append("doomed") or 1)
+        failing = host.post(lambda eng: 1 / 0)
+        assert doomed.cancel() and failing.cancel()
+        gate.set()
+        assert host.post(lambda eng: "still here").result(timeout=10) == "still here"
+        assert ran == ["doomed"] and host.alive and len(idles) >= 1
+        deadline = time.monotonic() + 10
+        while len(idles) < 3:  # the idle hook goes on being called after it raised
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        host.stop()
