@@ -36,9 +36,11 @@ def phases(scale: float) -> tuple[Phase, ...]:
     def n(x: int) -> int:
         return max(2, round(x * scale))
 
-    return (Phase(n(24), 256, 4, 1.5),   # summarization-like: the prompts are the work
-            Phase(n(24), 16, 96, 3.0),   # chat-like: the answers (and the decode slots) are the work
-            Phase(n(24), 256, 4, 1.5))
+    # Sized for one 2-core host with 3 one-thread workers: about one prefill worker's worth too many
+    # prompts in the first and last phase, about one decode worker's worth too many answers in the middle.
+    return (Phase(n(50), 256, 4, 2.5),   # summarization-like: the prompts are the work
+            Phase(n(30), 16, 96, 0.9),   # chat-like: the answers (and the decode slots) are the work
+            Phase(n(50), 256, 4, 2.5))
 
 
 def run_one(name: str, app_args: dict, cfg: BenchConfig, num_cpus: int) -> dict:

@@ -141,7 +141,9 @@ def _workers(r: dict[str, Any]) -> list[str]:
 
 def _state(w: dict[str, Any]) -> str:
     if w.get("switching_to"):
-        return f"switching to {w['switching_to']}"
+        return f"switching to {'mixed' if w.get('mixed') else w['switching_to']}"
+    if w.get("mixed") and w.get("ready"):
+        return "ready, mixed"
     return "draining" if w.get("draining") else ("ready" if w.get("ready") else "starting")
 
 

@@ -17,7 +17,8 @@ from engine.spec.speculator import SpecStats
 def _worker(w: WorkerView) -> dict[str, Any]:
     i = w.info
     return {"ready": w.ready, "draining": w.draining,
-            "switching_to": w.switching_to.value if w.switching_to is not None else None, "node_id": i.node_id if i else None,
+            "switching_to": w.switching_to.value if w.switching_to is not None else None, "mixed": w.mixed,
+            "node_id": i.node_id if i else None,
             "node_ip": i.node_ip if i else None, "device": i.device if i else None,
             "num_threads": i.num_threads if i else None, "num_blocks": i.num_blocks if i else None}
 

@@ -118,15 +118,17 @@ class Placement:
         mixed into its batch, no KV transfer) when the prefill pool is the bottleneck, i.e. when that
         decode worker would get through it sooner than the best prefill worker, which has
         `prefill_cost` tokens to compute first (its queue and this prompt's uncached part). Without
-        it, a busy prefill pool leaves the decode pool idle."""
+        it, a busy prefill pool leaves the decode pool idle. A longer prompt may go only to a mixed
+        decode worker (`WorkerView.mixed`: both roles, as colocated), on the same terms."""
         n = len(t.req.prompt_token_ids)
-        if n > self.config.local_prefill_max_tokens:
+        long = n > self.config.local_prefill_max_tokens
+        if long and not any(w.mixed for w in self.state.decode.values()):
             return None
         need = blocks_to_admit(n, self.block_size)
         hashes = self.hashes(t)
         best, best_cost, best_cached = None, 0, 0
         for w in self.state.decode.values():
-            if not w.has_room(need, self.max_num_seqs):
+            if (long and not w.mixed) or not w.has_room(need, self.max_num_seqs):
                 continue
             cached = self.cached(w, hashes, n)
             cost = w.prefill_backlog() + n - cached

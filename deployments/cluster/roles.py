@@ -52,14 +52,18 @@ class Pressure(NamedTuple):
 class SwitchDecision(NamedTuple):
     time: float
     worker_id: str
-    from_role: Role
-    to_role: Role
+    from_role: str  # a `Role`'s value, or "mixed"
+    to_role: str
     reason: str
     completed_at: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"time": self.time, "worker_id": self.worker_id, "from": self.from_role.value, "to": self.to_role.value,
+        return {"time": self.time, "worker_id": self.worker_id, "from": self.from_role, "to": self.to_role,
                 "reason": self.reason, "completed_at": self.completed_at}
+
+
+def _role_name(w: WorkerView) -> str:
+    return "mixed" if w.mixed and w.role is Role.DECODE else w.role.value
 
 
 class RoleController:
@@ -151,14 +155,28 @@ class RoleController:
                    t.stage in (Stage.ADMITTING, Stage.DECODE))
 
     # ------------------------------------------------------------------ the switch
-    def begin(self, w: WorkerView, to: Role, reason: str, now: float) -> SwitchDecision:
-        w.switching_to, w.switch_since = to, now
+    def begin(self, w: WorkerView, to: Role, reason: str, now: float, mixed: bool = False) -> SwitchDecision:
+        """`w` starts moving to role `to` (and, joining decode, mixed: `WorkerView.mixed`)."""
+        frm = _role_name(w)
+        w.switching_to, w.switch_since, w.mixed = to, now, mixed and to is Role.DECODE
         self.last_switch = now
         self.signal, self.signal_since = None, None
+        return self._decided(w, frm, "mixed" if w.mixed else to.value, reason, now)
+
+    def set_mixed(self, w: WorkerView, mixed: bool, reason: str, now: float) -> SwitchDecision:
+        """A decode worker becomes mixed, or stops being so: at once, nothing to hand on (a mixed worker's
+        prompts run whole there, like its sequences)."""
+        frm = _role_name(w)
+        w.mixed = mixed
+        self.last_switch = now
+        return self._decided(w, frm, _role_name(w), reason, now, completed=True)
+
+    def _decided(self, w: WorkerView, frm: str, to: str, reason: str, now: float,
+                 completed: bool = False) -> SwitchDecision:
         self.state.counters.role_switches += 1
-        d = SwitchDecision(now, w.worker_id, w.role, to, reason)
+        d = SwitchDecision(now, w.worker_id, frm, to, reason, now if completed else None)
         self.decisions.append(d)
-        logger.info("role switch: %s %s -> %s (%s)", w.worker_id, w.role.value, to.value, reason)
+        logger.info("role switch: %s %s -> %s (%s)", w.worker_id, frm, to, reason)
         return d
 
     def old_role_work(self, w: WorkerView) -> int:
@@ -177,6 +195,7 @@ class RoleController:
         assert to is not None
         self.state.pools[w.role].pop(w.worker_id, None)
         old, w.role, w.switching_to, w.switch_since = w.role, to, None, None
+        w.mixed = w.mixed and to is Role.DECODE
         w.queued_prompt_tokens = 0  # (its prompts all ended: `old_role_work`)
         w.reserved_blocks, w.reserved_seqs, w.reserved_prefill_tokens = 0, 0, 0
         if to is Role.PREFILL:
@@ -195,5 +214,6 @@ class RoleController:
                 "pressure": None if pr is None else {"prefill": round(pr.prefill, 3), "decode": round(pr.decode, 3),
                                                      "prefill_why": pr.prefill_why, "decode_why": pr.decode_why},
                 "switching": [{"worker_id": w.worker_id, "from": w.role.value, "to": w.switching_to.value,
-                               "since": w.switch_since} for w in self.switching()],
+                               "mixed": w.mixed, "since": w.switch_since} for w in self.switching()],
+                "mixed": sorted(w.worker_id for w in self.state.decode.values() if w.mixed),
                 "decisions": [d.as_dict() for d in self.decisions]}

@@ -348,7 +348,7 @@ class Router(RouterCalls):
         if plan is not None:
             w, to, reason = plan
             d = self.roles.begin(w, to, reason, now)
-            metrics.count_role_switch(d.from_role.value, d.to_role.value)
+            metrics.count_role_switch(d.from_role, d.to_role)
         for w in self.roles.switching():
             if self.state.worker(w.worker_id) is not w or not w.ready:
                 continue
@@ -358,22 +358,30 @@ class Router(RouterCalls):
                 await self._complete_switch(w)
 
     async def switch_role(self, worker_id: str, role: str, reason: str = "asked") -> dict[str, Any]:
-        """Begin moving worker `worker_id` to `role` now, whatever the controller thinks (an operator's
-        or a test's switch; the controller's dwell then counts from it). ValueError, naming the reason,
-        when it cannot: role switching off, no such ready worker, already that role or switching, or the
-        last worker taking work in its pool."""
+        """Begin moving worker `worker_id` to `role` ("prefill", "decode" or "mixed": a decode worker that
+        also runs prompts of any length whole) now, whatever the controller thinks (an operator's or a
+        test's switch; the controller's dwell then counts from it). ValueError, naming the reason, when
+        it cannot: role switching off, no such ready worker, already that role or switching, or the last
+        worker taking work in its pool."""
         if not self.config.role_switching:
             raise ValueError("role_switching is off")
-        to = Role(role)
+        mixed = role == "mixed"
+        to = Role.DECODE if mixed else Role(role)
         w = self.state.worker(worker_id)
         if w is None or not w.ready:
             raise ValueError(f"no ready worker {worker_id!r}")
-        if w.role is to or w.leaving:
-            raise ValueError(f"{worker_id} is {w.role.value}" + (" and leaving it" if w.leaving else ""))
-        if sum(1 for v in self.state.pools[w.role].values() if v.takes_work) < 2:
-            raise ValueError(f"{worker_id} is the last {w.role.value} worker taking work")
-        d = self.roles.begin(w, to, reason, time.time())
-        metrics.count_role_switch(d.from_role.value, d.to_role.value)
+        if w.leaving or (w.role is to and w.mixed == mixed):
+            raise ValueError(f"{worker_id} is {'mixed' if w.mixed else w.role.value}"
+                             + (" and leaving it" if w.leaving else ""))
+        now = time.time()
+        if w.role is to:  # decode <-> mixed: the same pool, at once
+            d = self.roles.set_mixed(w, mixed, reason, now)
+            self._do(self.placement.admit())
+        else:
+            if sum(1 for v in self.state.pools[w.role].values() if v.takes_work) < 2:
+                raise ValueError(f"{worker_id} is the last {w.role.value} worker taking work")
+            d = self.roles.begin(w, to, reason, now, mixed=mixed)
+        metrics.count_role_switch(d.from_role, d.to_role)
         return d.as_dict()
 
     async def _hand_on(self, w: WorkerView) -> None:

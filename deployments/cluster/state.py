@@ -66,6 +66,9 @@ class WorkerView:
     max_batch_seen: int = 0
     num_steps: int = 0
     kv_pairs: dict[str, dict] = field(default_factory=dict)  # decode: its KV pairs, as last reported
+    # Mixed (`--role-switching`, `switch_role(..., "mixed")`): a decode worker that also runs prompts of any
+    # length whole, as a colocated one (`Placement._local_prefill`), not only the short ones.
+    mixed: bool = False
     switching_to: Role | None = None  # changing role: takes no new work of `role`, then joins this pool
     switch_since: float | None = None  # when it began to
 

@@ -107,8 +107,17 @@ def test_a_worker_switched_under_load_both_ways_loses_nothing(router, reference)
         with pytest.raises(ray.exceptions.RayTaskError, match="last prefill worker"):
             ray.get(router.switch_role.remote("pdserve-prefill-0", "decode"))
         assert _generate(router, PROMPTS, tag="d") == reference
+
+        # Mixed: the same worker also runs prompts whole, whatever their length (at once: same pool).
+        d = ray.get(router.switch_role.remote("pdserve-decode-0", "mixed"))
+        assert (d["from"], d["to"]) == ("decode", "mixed") and d["completed_at"] is not None
+        s = _stats(router)
+        assert s["roles"]["mixed"] == ["pdserve-decode-0"] and s["decode"]["pdserve-decode-0"]["mixed"]
+        assert _generate(router, PROMPTS, tag="m") == reference
+        ray.get(router.switch_role.remote("pdserve-decode-0", "decode"))
+        assert _stats(router)["roles"]["mixed"] == []
         wait_no_leaks(router)
-        assert _stats(router)["counters"]["role_switches"] == 2
+        assert _stats(router)["counters"]["role_switches"] == 4
 
 
 def test_a_switch_racing_the_workers_death_leaves_nothing_behind(router, reference):
@@ -123,5 +132,5 @@ def test_a_switch_racing_the_workers_death_leaves_nothing_behind(router, referen
                      s["pools"]["prefill"]["ready"] == 1, timeout_s=120, interval_s=0.5, what="pools refilled")
         assert "pdserve-decode-1" not in s["decode"] and "pdserve-decode-1" not in s["prefill"]
         assert s["counters"]["worker_deaths"] == 1 and not s["roles"]["switching"]
-        assert s["counters"]["role_switches"] == 3
+        assert s["counters"]["role_switches"] == 5
         wait_no_leaks(router)

@@ -226,3 +226,25 @@ def test_the_latency_targets_drive_autoscaling_too():
     for _ in range(10):
         p.state.latencies.record_step(0.3)
     assert p.pools.desired(Role.DECODE)[0] == 2
+
+
+def test_a_mixed_decode_worker_takes_long_prompts_whole_when_that_is_sooner():
+    """A long prompt (over local_prefill_max_tokens) stays off the decode pool, unless a decode worker
+    is mixed: then it runs there whole when that worker would get through it sooner than the prefill
+    pool (the same rule as a short prompt's local prefill)."""
+    p, ctl = _parts(workers=("p0", "d0", "d1"), local_prefill_max_tokens=64)
+    for d in ("d0", "d1"):
+        p.w(d).report = p.report(d, free=90)
+    _queue(p, "p0", 2000)  # a busy prefill worker
+    t = p.submit("long", 200)
+    [a] = p.placement.place_prefill(t)
+    assert type(a).__name__ == "ToPrefill"  # no mixed worker: the prefill pool, however busy
+    d = ctl.set_mixed(p.w("d1"), True, "test", 1000.0)
+    assert (d.from_role, d.to_role, d.completed_at) == ("decode", "mixed", 1000.0)
+    t2 = p.submit("long2", 200, first=500)
+    [a2] = p.placement.place_prefill(t2)
+    assert type(a2).__name__ == "RunWhole" and a2.worker.worker_id == "d1"
+    assert p.state.counters.local_prefills == 1
+    # Leaving decode clears it; the controller's switches are whole roles.
+    ctl.begin(p.w("d1"), Role.PREFILL, "test", 1001.0)
+    assert not p.w("d1").mixed and ctl.decisions[-1].from_role == "mixed"
