@@ -7,6 +7,8 @@ same thing with different N.
 
 from __future__ import annotations
 
+import itertools
+
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -261,17 +263,26 @@ class Scheduler:
 
     def _heavy_tenants(self) -> set[str | None] | None:
         """The tenants whose prompt tokens this step are capped (to 1/HEAVY_PREFILL_SHARE of the prompt
-        budget, together): while two or more tenants have prompt work (a running request still
-        prefilling, or the next waiting request in fair order), those using more than the lightest of
-        them. None: no cap. So a lighter tenant's prompt shares its step with a slice of the flood's,
-        not with a full budget of it: on a CPU a step's time grows with its tokens."""
+        budget, together): while two or more tenants have requests here (running or waiting), those with
+        prompt work (a running request still prefilling, or the next waiting request in fair order)
+        that ask more of the engine than the lightest tenant here (weighted tokens, running and
+        waiting). None: no cap. So a lighter tenant's prompt shares
+        its step with a slice of the flood's, not with a full budget of it (on a CPU a step's time grows
+        with its tokens), and so does its decoding: its next prompt, when it comes, waits for a small
+        step, not a full one of the flood's prompts.
+        NOTE: capped only while a lighter tenant had prompt work, the flood's full steps ran between an
+        innocent's requests and its next prompt waited for one (innocent TTFT p99 6.9x its value
+        alone on a quiet host, benchmarks/results.md)."""
         prompt_work = {r.tenant for r in self.running if r.num_tokens - r.num_computed_tokens > 1}
         if self.waiting:
             prompt_work.add(self.waiting[0].tenant)  # in fair order (`schedule`)
-        if len(prompt_work) < 2:
+        if not prompt_work:
             return None
-        use = weighted_use(self.running)
-        lightest = min(use[t] for t in prompt_work)
+        here = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
+        if len(here) < 2:
+            return None
+        use = weighted_use(itertools.chain(self.running, self.waiting))  # what each asks of the engine
+        lightest = min(use[t] for t in here)
         heavy = {t for t in prompt_work if use[t] > lightest}
         return heavy or None
 

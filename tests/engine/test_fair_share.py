@@ -225,3 +225,35 @@ def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prom
     while eng.has_unfinished_requests():
         eng.step()
     eng.check_integrity()
+
+
+def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_decodes(model_dir):
+    """The cap holds while the lighter tenant only decodes too: its next prompt, when it comes, waits for
+    a small step, not a full budget of the flood's prompts; with the flood alone, no cap."""
+    eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    steps = []
+    schedule = eng.scheduler.schedule
+
+    def record():
+        out = schedule()
+        steps.append([(c.request.request_id, c.num_new_tokens) for c in out.chunks])
+        return out
+
+    eng.scheduler.schedule = record
+    rng = random.Random(5)
+    eng.add_request("b0", [40, 41, 42, 43], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                    tenant="innocent")
+    eng.step()  # its prompt: it decodes from now on
+    for i in range(3):
+        eng.add_request(f"a{i}", [rng.randrange(3, 200) for _ in range(100)],
+                        SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), tenant="flooder")
+    for _ in range(5):
+        eng.step()
+        flood = sum(n for rid, n in steps[-1] if rid.startswith("a") and n > 1)
+        assert dict(steps[-1]).get("b0") == 1 and flood <= 64 // 8, steps[-1]
+    eng.abort("b0")
+    eng.step()
+    assert sum(n for rid, n in steps[-1] if rid.startswith("a")) > 64 // 8  # the flood alone: no cap
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_integrity()
