@@ -70,6 +70,7 @@ class OpenAIIngress:
     def __init__(self, cfg: ServeConfig):
         from engine.model_loader import load_tokenizer
 
+        serve_http_limits(cfg)  # first: a setting this replica's HTTP server cannot honour stops it here
         tracing.configure(cfg.otlp_endpoint, cfg.trace_exporter, "pdserve-ingress")
         self.router = get_or_create_router(cfg)
         info = ray.get(self.router.wait_ready.remote(900.0), timeout=960.0)
@@ -89,6 +90,26 @@ class OpenAIIngress:
     def __serve_build_asgi_app__(self):
         # NOTE: built per replica after __init__, so the app holds this replica's backend and hub.
         return self._asgi
+
+
+def direct_ingress_on() -> bool:
+    """Whether Serve's direct ingress serves HTTP in this process's replicas (Ray reads its variables
+    when the process starts)."""
+    from ray.serve._private import constants
+
+    return bool(getattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", False))
+
+
+def serve_http_limits(cfg: ServeConfig) -> None:
+    """Give this ingress replica's HTTP server `cfg`'s limits (direct ingress), or refuse the limits
+    Serve's proxy cannot honour (ServeConfigError naming them): deployments/http_limits.py."""
+    from deployments.config import ServeConfigError
+    from deployments.http_limits import apply_to_direct_ingress, proxy_limits_error
+
+    if direct_ingress_on():
+        apply_to_direct_ingress(cfg)
+    elif why := proxy_limits_error(cfg):
+        raise ServeConfigError(why)
 
 
 def _router_serving_state(cfg: ServeConfig):

@@ -203,15 +203,19 @@ class ServeConfig:
                 "(none: no cap)", doc="Bounds what one fan-out call can claim of the queue and the KV pool")
     http_limit_concurrency: int | None = setting(
         1024, "open HTTP connections (and requests) at most per HTTP server; more are answered 503 (none: no cap)",
-        doc="uvicorn's limit_concurrency, in the single-process layout; under Ray the ingress deployment's "
-            "max_ongoing_requests (1024 per replica) caps requests instead")
+        doc="uvicorn's limit_concurrency: the single-process layout's server and, with direct ingress, the ingress "
+            "replica's (beside max_ongoing_requests, 1024 per replica). Serve's proxy takes no such cap: a value other "
+            "than the default is refused there (docs/guides/tenants.md#http-limits)")
     http_keepalive_timeout_s: float = setting(
         5.0, "an idle keep-alive HTTP connection is closed after this long",
-        doc="Ray layouts started by `pdserve serve`: Serve's http_options keep_alive_timeout_s")
+        doc="The single-process layout's server and, with direct ingress, the ingress replica's; Serve's proxy "
+            "(http_options keep_alive_timeout_s, whole seconds: rounded up) where `pdserve serve` starts Serve")
     http_header_timeout_s: float = setting(
         10.0, "a connection must send a whole request head (line and headers) within this long of connecting "
               "or of its previous response, else it is closed",
-        doc="The single-process layout's server (deployments/http_limits.py); under Ray, Serve's proxy decides")
+        doc="The single-process layout's server and, with direct ingress, the ingress replica's "
+            "(deployments/http_limits.py). Serve's proxy has no head deadline: a value other than the default is "
+            "refused there")
     http_body_timeout_s: float = setting(
         30.0, "a request body must arrive whole within this long of its headers, else 408", doc="Every layout")
     http_host: str = setting("127.0.0.1", "HTTP bind address (0.0.0.0 to expose it)",

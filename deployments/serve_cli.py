@@ -198,6 +198,7 @@ def _refusal(layout: str, launch: LaunchOptions, settings: dict[str, Any]) -> st
 
 def _serve(args: argparse.Namespace) -> int:
     from deployments.config import ServeConfig, direct_ingress_env
+    from deployments.http_limits import proxy_limits_error
 
     launch, settings = split_args(args)
     if launch.layout == "ray":
@@ -218,6 +219,9 @@ def _serve(args: argparse.Namespace) -> int:
             (settings.get("ingress_max_replicas") or settings.get("ingress_replicas", 1)) == 1:
         settings["direct_ingress"] = True
     cfg = ServeConfig.from_dict(settings)  # the one parse: a bad setting stops here (cli.main: exit 2)
+    if layout != "single" and not cfg.direct_ingress and (why := proxy_limits_error(cfg)):
+        print(f"pdserve: {why}", file=sys.stderr)
+        return 2
     if why := grpc_bind_error(cfg.http_host, launch.grpc_port):
         print(f"pdserve: {why}", file=sys.stderr)
         return 2
@@ -262,8 +266,12 @@ def _start(launch: LaunchOptions, cfg: ServeConfig, proxy_port: int) -> bool:
         needed = int((cfg.num_prefill_workers + cfg.num_decode_workers) * cfg.worker_num_cpus + 0.999)
         ray.init(num_cpus=max(needed, os.cpu_count() or 1), include_dashboard=False)
         print(f"pdserve: Ray at {ray_access_line()}", flush=True)
+    from deployments.http_limits import proxy_keepalive_s
+
+    # NOTE: Serve's proxy takes whole seconds; with direct ingress the replica's own server gets the
+    # exact value (deployments/http_limits.py).
     serve.start(http_options={"host": cfg.http_host, "port": proxy_port,
-                              "keep_alive_timeout_s": cfg.http_keepalive_timeout_s},
+                              "keep_alive_timeout_s": proxy_keepalive_s(cfg)},
                 grpc_options=grpc_options(launch.grpc_port) if launch.grpc_port else None)
     t0 = time.perf_counter()
     print(f"pdserve: starting the workers for {cfg.served_model_name} ...", flush=True)

@@ -49,16 +49,17 @@ def wait_for(get: Callable[[], T], until: Callable[[T], Any] = bool, *, timeout_
 
 class ThreadedServer:
     """uvicorn serving an ASGI `app` on a free port of 127.0.0.1 in a daemon thread, until `stop()`
-    (or the end of a with-block). The socket is bound before the server starts: no race for the port."""
+    (or the end of a with-block). The socket is bound before the server starts: no race for the port.
+    `config`: more `uvicorn.Config` arguments (e.g. `http_limits.uvicorn_limits(cfg)`)."""
 
-    def __init__(self, app: Any, start_timeout_s: float = 10.0):
+    def __init__(self, app: Any, start_timeout_s: float = 10.0, **config: Any):
         import uvicorn
 
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port: int = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
         self._thread = threading.Thread(target=self._server.run, kwargs=dict(sockets=[sock]), daemon=True)
         self._thread.start()
         wait_for(lambda: self._server.started, timeout_s=start_timeout_s, interval_s=0.02, what="uvicorn started")

@@ -1,11 +1,16 @@
-"""A bounded soak (loopback only): the HTTP door in process over a disaggregated router (one prefill,
-one decode worker, a tiny random-weight model, gloo KV transfer), fed a mix of good requests, bad
-ones (400s), ones whose client closes mid-stream, and ones whose client disconnects while the request
-is being submitted, for SOAK_S seconds (at most MAX_REQUESTS). Then nothing may be left anywhere:
+"""A bounded soak (loopback only) on both kinds of layout: a mix of good requests, bad ones (400s),
+ones whose client closes mid-stream, and ones whose client disconnects while the request is being
+submitted, for SOAK_S seconds (at most MAX_REQUESTS), through the HTTP door in this process, over
 
-- KV blocks and requests on every worker (the engines' integrity checks pass, block use back to 0),
-  and no abort marks waiting on a decode worker;
-- streams in the StreamHub, streams in the router client;
+- `single`: the single-process layout as `pdserve serve --layout single` builds it
+  (`build_single_process_app`, served by uvicorn with the server's own HTTP limits);
+- `disagg`: a disaggregated Ray router (one prefill, one decode worker, gloo KV transfer).
+
+Both on a tiny random-weight model. Then nothing may be left anywhere:
+
+- KV blocks and requests in every engine (the engines' integrity checks pass, block use back to 0),
+  and, on Ray, no abort marks waiting on a decode worker;
+- streams in the door's backend (the StreamHub and the router client; the single engine's backend);
 - router entries: tracked requests, the pending-decode and unplaced queues;
 - KV channels to anything but the live peers.
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import random
@@ -37,9 +43,15 @@ MAX_REQUESTS = 1500
 CONCURRENCY = 6
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    cfg = ServeConfig.from_dict(dict(model=tiny_model_dir("llama"), num_prefill_workers=1, num_decode_workers=1,
+@pytest.fixture(scope="module", params=["single", "disagg"])
+def server(request, tiny_model_dir):
+    """(layout name, the door's URL, the layout's handles for the leak checks)."""
+    model = tiny_model_dir("llama")
+    if request.param == "single":
+        with _single_process(model) as (url, backend):
+            yield "single", url, backend
+        return
+    cfg = ServeConfig.from_dict(dict(model=model, num_prefill_workers=1, num_decode_workers=1,
                                      kv_cache_memory_mb=16, max_num_seqs=16))
     with local_ray(2, namespace="pdserve-soak"), pdserve_router(cfg, timeout_s=300) as router:
         from engine.model_loader import load_tokenizer
@@ -50,7 +62,23 @@ def server(tiny_model_dir):
         app = build_openai_app(backend, load_tokenizer(cfg.engine.model, "float32", None), MODEL,
                                info.max_model_len, vocab_size=info.vocab_size)
         with ThreadedServer(app) as srv:
-            yield srv.url, router, hub, backend
+            yield "disagg", srv.url, (router, hub)
+
+
+@contextlib.contextmanager
+def _single_process(model: str):
+    """The single-process layout's app and engine, served with its HTTP limits (local_server.py)."""
+    from deployments.http_limits import uvicorn_limits
+    from deployments.local_server import build_single_process_app
+
+    cfg = ServeConfig.from_dict(dict(model=model, model_name=MODEL, kv_cache_memory_mb=16, max_num_seqs=16,
+                                     num_threads=1, request_timeout_s=60))
+    app, backend = build_single_process_app(cfg)
+    try:
+        with ThreadedServer(app, **uvicorn_limits(cfg)) as srv:
+            yield srv.url, backend
+    finally:
+        backend.shutdown()
 
 
 def _bad_bodies(vocab: int) -> list[dict]:
@@ -144,16 +172,43 @@ def _router_entries(router) -> dict:
     return {k: s[k] for k in ("num_tracked", "num_pending_decode", "num_unplaced")}
 
 
-@pytest.mark.slow  # ~90 s with Ray's start (PDSERVE_SOAK_S sets the soak's length)
+def _single_left(backend) -> dict:
+    """What the single-process engine and its backend still hold; the engine's integrity check runs
+    on its own thread between steps (and raises on a broken block pool)."""
+    def probe(eng) -> dict:
+        eng.check_integrity()
+        return {"blocks": eng.block_manager.num_used_blocks, "engine requests": len(eng._requests),
+                "unfinished": int(eng.has_unfinished_requests())}
+    return {**backend.run_on_engine(probe).result(timeout=30), "backend streams": backend.num_requests}
+
+
+@pytest.mark.slow  # per layout: the soak (PDSERVE_SOAK_S, default 40 s) plus ~10 s (single) / ~50 s (Ray's start)
 def test_soak_leaves_nothing_behind(server):
-    url, router, hub, backend = server
-    workers = ray.get(router.workers.remote(), timeout=30)
-    vocab = ray.get(router.wait_ready.remote(10.0), timeout=30).vocab_size
+    layout, url, handles = server
+    if layout == "single":
+        vocab = handles.engine.vocab_size
+    else:
+        vocab = ray.get(handles[0].wait_ready.remote(10.0), timeout=30).vocab_size
     t0 = time.monotonic()
     stats = asyncio.run(_soak(url, vocab))
     soak_s = time.monotonic() - t0
     assert stats["good"] and stats["bad"] and stats["cancelled mid-stream"] and stats["disconnected during submit"]
+    if layout == "single":
+        _check_single(handles, stats, soak_s)
+    else:
+        _check_disagg(*handles, stats, soak_s)
 
+
+def _check_single(backend, stats: collections.Counter, soak_s: float) -> None:
+    left = wait_for(lambda: _single_left(backend), lambda d: not any(d.values()), timeout_s=60,
+                    what="the engine and its backend hold nothing")
+    print(f"\n[soak single] {sum(stats.values())} requests in {soak_s:.0f}s: {dict(stats)}; left behind: {left}; "
+          f"engine steps {backend.num_steps}")
+    assert backend.last_error is None, backend.last_error  # incl. the idle integrity checks
+
+
+def _check_disagg(router, hub, stats: collections.Counter, soak_s: float) -> None:
+    workers = ray.get(router.workers.remote(), timeout=30)
     use = wait_no_leaks(router, timeout_s=60)  # blocks and requests on every worker; integrity checked
     entries = wait_for(lambda: _router_entries(router), lambda e: not any(e.values()), timeout_s=60,
                        what="router entries gone")
@@ -167,7 +222,7 @@ def test_soak_leaves_nothing_behind(server):
     live = set(workers)
     stray = {w: [p for d in ch.values() for p in d if p not in live] for w, ch in channels.items()}
     counters = ray.get(router.stats.remote(), timeout=30)["counters"]
-    print(f"\n[soak] {sum(stats.values())} requests in {soak_s:.0f}s: {dict(stats)}; router counters: "
+    print(f"\n[soak disagg] {sum(stats.values())} requests in {soak_s:.0f}s: {dict(stats)}; router counters: "
           f"submitted {counters['submitted']}, finished {counters['finished']}, aborted {counters['aborted']}, "
           f"failed {counters['failed']}, retries {counters['retries']}; left behind: blocks "
           f"{sum(u['num_used_blocks'] for u in use.values())}, worker requests "
