@@ -198,11 +198,9 @@ def test_the_suffix_speculators_shared_state_stays_within_its_scope():
     assert p.propose("d", [1, 2, 50, 51], 3) == []  # unscoped requests learn nothing from alice's either
 
 
-def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prompt_work(model_dir):
-    """The step that computes the innocent's prompt carries at most an eighth of the prompt budget of the
-    flood's prompts (the budget is 64: 8 tokens), not the rest of the budget."""
-    eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
-    steps = []
+def _record_steps(eng) -> list[list[tuple[str, int]]]:
+    """Each step's (request id, tokens computed) from here on, appended as the engine schedules."""
+    steps: list[list[tuple[str, int]]] = []
     schedule = eng.scheduler.schedule
 
     def record():
@@ -211,6 +209,14 @@ def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prom
         return out
 
     eng.scheduler.schedule = record
+    return steps
+
+
+def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prompt_work(model_dir):
+    """The step that computes the innocent's prompt carries at most an eighth of the prompt budget of the
+    flood's prompts (the budget is 64: 8 tokens), not the rest of the budget."""
+    eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    steps = _record_steps(eng)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     rng = random.Random(3)
     for i in range(3):
@@ -231,15 +237,7 @@ def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_decodes(
     """The cap holds while the lighter tenant only decodes too: its next prompt, when it comes, waits for
     a small step, not a full budget of the flood's prompts; with the flood alone, no cap."""
     eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
-    steps = []
-    schedule = eng.scheduler.schedule
-
-    def record():
-        out = schedule()
-        steps.append([(c.request.request_id, c.num_new_tokens) for c in out.chunks])
-        return out
-
-    eng.scheduler.schedule = record
+    steps = _record_steps(eng)
     rng = random.Random(5)
     eng.add_request("b0", [40, 41, 42, 43], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
                     tenant="innocent")
