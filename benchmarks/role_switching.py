@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -46,24 +47,16 @@ def phases(scale: float) -> tuple[Phase, ...]:
 def run_one(name: str, app_args: dict, cfg: BenchConfig, num_cpus: int) -> dict:
     import ray
 
-    from benchmarks.common import router_counters
+    from deployments.app import NAMESPACE, ROUTER_NAME
 
     with serve_app(app_args, num_cpus=num_cpus, direct=True) as url:
         run_benchmark(BenchConfig(base_url=url, model=cfg.model, num_prompts=4, input_len=32, output_len=8,
                                   vocab_size=cfg.vocab_size, progress=False, timeout_s=300))  # warm-up
-        res = run_benchmark(BenchConfig.from_dict({**_fields(cfg), "base_url": url}))
-        from deployments.app import NAMESPACE, ROUTER_NAME
-
+        res = run_benchmark(replace(cfg, base_url=url))
         stats = ray.get(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE).stats.remote(), timeout=30)
-        res["router"] = {"counters": router_counters(), "roles": stats.get("roles")}
+        res["router"] = {"counters": stats["counters"], "roles": stats.get("roles")}
     res["name"] = name
     return res
-
-
-def _fields(cfg: BenchConfig) -> dict:
-    from dataclasses import fields
-
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
 
 
 def main() -> int:
