@@ -65,6 +65,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every phase's request count")
     p.add_argument("--max-num-seqs", type=int, default=4, help="decode slots per worker")
+    p.add_argument("--phase", action="append", type=Phase.parse, default=None, metavar="N,IN,OUT,RATE",
+                   help="a phase of the load (repeat, in order; default: the sized ones above, by --scale)")
+    p.add_argument("--only", default=None, help="run only the servers whose name contains this (calibrating)")
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=300.0)
     p.add_argument("--json", default=None)
@@ -73,22 +76,21 @@ def main() -> int:
     splits = [(k, n - k) for k in range(1, n)]
     cfg = BenchConfig(base_url="http://unused", model=DEFAULT_MODEL_NAME, vocab_size=20000, seed=7,
                       timeout_s=1800, progress=False, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                      phases=phases(args.scale))
+                      phases=tuple(args.phase) if args.phase else phases(args.scale))
     # Each worker is one device's worth: `--threads` threads, no borrowing of idle workers' cores
     # (share_node_cores off), `--max-num-seqs` decode slots; so the split matters as it does on GPUs.
     # NOTE: no TPOT target for the controller: on one CPU host every worker's steps slow down with the
     # whole host's load, so step time does not tell which side lacks workers; slots waited for do.
     common = dict(num_threads=args.threads, worker_num_cpus=0.5, kv_cache_memory_mb=256, share_node_cores=False,
                   max_num_seqs=args.max_num_seqs, prefill_target_queued_tokens=512, decode_target_waiting=1)
-    runs = []
-    for pre, dec in splits:
-        runs.append(run_one(f"fixed {pre}P+{dec}D", dict(common, num_prefill_workers=pre, num_decode_workers=dec),
-                            cfg, num_cpus=n + 2))
+    servers = {f"fixed {pre}P+{dec}D": dict(common, num_prefill_workers=pre, num_decode_workers=dec)
+               for pre, dec in splits}
     pre, dec = splits[0] if len(splits) == 1 else splits[len(splits) // 2]
-    runs.append(run_one(f"roles from {pre}P+{dec}D", dict(common, num_prefill_workers=pre, num_decode_workers=dec,
-                                                        role_switching=True, role_switch_hold_s=2.0,
-                                                        role_switch_dwell_s=8.0, ttft_target_ms=args.slo_ttft_ms / 2),
-                        cfg, num_cpus=n + 2))
+    servers[f"roles from {pre}P+{dec}D"] = dict(common, num_prefill_workers=pre, num_decode_workers=dec,
+                                                role_switching=True, role_switch_hold_s=2.0, role_switch_dwell_s=8.0,
+                                                ttft_target_ms=args.slo_ttft_ms / 2)
+    runs = [run_one(name, app_args, cfg, num_cpus=n + 2) for name, app_args in servers.items()
+            if args.only is None or args.only in name]
     rows = []
     for r in runs:
         for ph in r["phases"]:
@@ -100,12 +102,16 @@ def main() -> int:
         rows.append([r["name"], "all", "", fmt(m["ttft_ms"]["p50"], 0), fmt(m["ttft_ms"]["p99"], 0),
                      fmt(m["tpot_ms"]["p50"], 0), fmt(m["tpot_ms"]["p99"], 0),
                      f"{m['good_requests']}/{m['num_requests']}", fmt(m["goodput"], 3)])
-    best_fixed = max(runs[:-1], key=lambda r: r["metrics"]["goodput"])
-    ratio = runs[-1]["metrics"]["goodput"] / max(best_fixed["metrics"]["goodput"], 1e-9)
-    switches = (runs[-1]["router"]["roles"] or {}).get("decisions", [])
+    fixed = [r for r in runs if r["name"].startswith("fixed")]
+    roles = [r for r in runs if r["name"].startswith("roles")]
+    best_fixed = max(fixed, key=lambda r: r["metrics"]["goodput"]) if fixed else None
+    ratio = (roles[0]["metrics"]["goodput"] / max(best_fixed["metrics"]["goodput"], 1e-9)
+             if roles and best_fixed else None)
+    switches = (roles[0]["router"]["roles"] or {}).get("decisions", []) if roles else []
     notes = [f"SLOs: TTFT <= {args.slo_ttft_ms:g} ms, TPOT <= {args.slo_tpot_ms:g} ms (the controller's TTFT "
              f"target: half; decode by slots waited for)",
-             f"goodput with the controller / best fixed split ({best_fixed['name']}): {ratio:.2f}x",
+             (f"goodput with the controller / best fixed split ({best_fixed['name']}): {ratio:.2f}x"
+              if ratio is not None else "goodput ratio: not all servers ran (--only)"),
              "switches: " + "; ".join(f"{d['worker_id']} {d['from']}->{d['to']} at +{d['time'] - switches[0]['time']:.0f}s"
                                       for d in switches) if switches else "switches: none"]
     print_table("role switching on a shifting load", ["server", "phase", "in->out", "TTFT p50", "TTFT p99",

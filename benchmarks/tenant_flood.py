@@ -2,7 +2,8 @@
 beside a flood of 10x its share with tenants (weighted fair queueing, slot preemption: engine/fair_share.py),
 and beside the same flood with no tenants (both sending with one shared key: first come, first served).
 All three phases on one single-process server (the engine and the HTTP app in this process), side by side
-in one run.
+in one run. The clients run in a process of their own, as they would on their own hosts: one GIL between
+eleven clients' SSE parsing and the server's loop would add their work to every TTFT.
 
 ```
  innocent: --clients closed-loop streams ──HTTP──▶ uvicorn ──▶ LocalEngineBackend ──▶ LLMEngine
@@ -20,12 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -93,6 +96,10 @@ async def _phase(url: str, seconds: float, clients: int, flood: int, innocent_ke
             "flood_status": counts_f, "innocent_ttft_mean_s": statistics.fmean(innocent) if innocent else None}
 
 
+def _phase_in_child(*a) -> dict:
+    return asyncio.run(_phase(*a))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=40.0, help="length of each phase")
@@ -104,6 +111,8 @@ def main() -> None:
     p.add_argument("--flood-tokens", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=8, help="the engine's sequence slots")
     p.add_argument("--threads", type=int, default=1, help="the engine's torch threads")
+    p.add_argument("--tenant-prefill-tokens", type=int, default=None,
+                   help="EngineConfig.tenant_prefill_tokens (default: the engine's)")
     p.add_argument("--model", default=None, help="the model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
@@ -112,16 +121,19 @@ def main() -> None:
         json.dump(keys, f)
     book = TenantBook.from_file(f.name)
     os.unlink(f.name)
-    cfg = EngineConfig(model=args.model, num_threads=args.threads, max_num_seqs=args.max_num_seqs)
+    cfg = EngineConfig(model=args.model, num_threads=args.threads, max_num_seqs=args.max_num_seqs,
+                       tenant_prefill_tokens=args.tenant_prefill_tokens)
     flood = args.flood_factor * args.clients
     rows = {}
-    with engine_http_server(cfg, tenants=book, api_key=SHARED) as url:
-        asyncio.run(_phase(url, 4.0, 1, 0, INNOCENT, FLOODER, args))  # warm up
+    clients = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    with clients, engine_http_server(cfg, tenants=book, api_key=SHARED) as url:
+        clients.submit(_phase_in_child, url, 4.0, 1, 0, INNOCENT, FLOODER, args).result()  # warm up
         phases = {"alone": (0, INNOCENT, FLOODER),
                   f"beside {flood}-stream flood, tenants (fair)": (flood, INNOCENT, FLOODER),
                   f"beside {flood}-stream flood, one shared key (FCFS)": (flood, SHARED, SHARED)}
         for name, (n_flood, ikey, fkey) in phases.items():
-            rows[name] = row = asyncio.run(_phase(url, args.seconds, args.clients, n_flood, ikey, fkey, args))
+            rows[name] = row = clients.submit(_phase_in_child, url, args.seconds, args.clients, n_flood, ikey,
+                                              fkey, args).result()
             print(f"{name:>44}: innocent TTFT p50 {row['innocent_ttft_p50_s']:.3f} s, p99 "
                   f"{row['innocent_ttft_p99_s']:.3f} s, max {row['innocent_ttft_max_s']:.3f} s "
                   f"({row['innocent_requests']} requests); flood {row['flood_requests']} requests, "

@@ -104,6 +104,15 @@ class EngineConfig:
     max_prefill_tokens_per_step: int | None = setting(
         None, "prompt tokens per step within max_num_batched_tokens; bounds how long the decoding sequences "
               "of a step wait for a prefill", default_doc="no separate cap")
+    tenant_prefill_tokens: int | None = setting(
+        None, "with tenants: prompt tokens per step, together, for the tenants that ask more of the engine than "
+              "the lightest one, while a lighter tenant is active",
+        doc="Active: it has a request in this engine, or had one in the last "
+            "`TENANT_ACTIVE_S` (2) seconds, so a closed-loop client between two requests still counts. A "
+            "step's time grows with its prompt tokens (on a CPU, about linearly), and a lighter tenant's next "
+            "prompt waits for the step in progress: the cap bounds that step, at the cost of the heavier "
+            "tenants' prompt throughput while the lighter one is active (engine/fair_share.py)",
+        default_doc="2 blocks on a CPU; max_num_batched_tokens/8 on CUDA")
     enable_prefix_caching: bool = setting(
         True, "keep the KV of full blocks after their request ends, keyed by their tokens, so a later prompt "
               "with the same prefix skips recomputing it",
@@ -199,6 +208,9 @@ class EngineConfig:
             raise EngineConfigError(f"ops_backend={self.ops_backend!r}: choose one of {', '.join(OPS_BACKENDS)}")
         if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step <= 0:
             raise EngineConfigError(f"max_prefill_tokens_per_step must be > 0 (or None), got {self.max_prefill_tokens_per_step}")
+        if self.tenant_prefill_tokens is not None and (isinstance(self.tenant_prefill_tokens, bool)
+                                                       or self.tenant_prefill_tokens <= 0):
+            raise EngineConfigError(f"tenant_prefill_tokens must be > 0 (or None), got {self.tenant_prefill_tokens!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise EngineConfigError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         if self.max_wait_s < 0:

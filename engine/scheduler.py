@@ -20,9 +20,14 @@ from engine.fair_share import (FairClock, fair_order, has_tenants, pick_victim, 
 from engine.request import Request, RequestStatus
 
 
-# With tenants, while a lighter tenant has prompt work, heavier tenants' prompt tokens in a step are
-# capped to 1/HEAVY_PREFILL_SHARE of the prompt budget (together): `Scheduler._heavy_tenants`.
+# With tenants, while a lighter tenant is active, heavier tenants' prompt tokens in a step are capped
+# (together) to `EngineConfig.tenant_prefill_tokens`: `Scheduler._heavy_tenants`. Active: a request here
+# now or within the last TENANT_ACTIVE_S seconds. On CUDA the cap defaults to 1/HEAVY_PREFILL_SHARE of the
+# prompt budget (a step's time there hardly grows with a few hundred tokens more); on a CPU, where it grows
+# about linearly, to HEAVY_PREFILL_BLOCKS blocks.
 HEAVY_PREFILL_SHARE = 8
+HEAVY_PREFILL_BLOCKS = 2
+TENANT_ACTIVE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -82,6 +87,8 @@ class Scheduler:
         self.fair_clock = FairClock()  # tenants' weighted fair queueing (engine/fair_share.py)
         self._heavy: set[str | None] | None = None  # this step's capped tenants (`_heavy_tenants`)
         self._heavy_left = 0
+        self._active: dict[str | None, float] = {}  # tenant -> when it last had a request here
+        self.clock = time.monotonic  # for `_active` (tests set their own)
 
     # ------------------------------------------------------------------ queue management
     def add(self, request: Request) -> None:
@@ -190,7 +197,7 @@ class Scheduler:
                     self.waiting = fair_order(self.waiting)
                 reserve = self._fair_reserve(left.prefill)
             self._heavy = self._heavy_tenants()
-            self._heavy_left = max(self.block_manager.block_size, left.prefill // HEAVY_PREFILL_SHARE)
+            self._heavy_left = self._heavy_cap(left.prefill)
         slot_preemptions = len(out.preempted)
         left.tokens, left.prefill = left.tokens - reserve, left.prefill - reserve
         self._schedule_running(out, left)
@@ -262,29 +269,39 @@ class Scheduler:
         return victim is not None
 
     def _heavy_tenants(self) -> set[str | None] | None:
-        """The tenants whose prompt tokens this step are capped (to 1/HEAVY_PREFILL_SHARE of the prompt
-        budget, together): while two or more tenants have requests here (running or waiting), those with
-        prompt work (a running request still prefilling, or the next waiting request in fair order)
-        that ask more of the engine than the lightest tenant here (weighted tokens, running and
-        waiting). None: no cap. So a lighter tenant's prompt shares
-        its step with a slice of the flood's, not with a full budget of it (on a CPU a step's time grows
-        with its tokens), and so does its decoding: its next prompt, when it comes, waits for a small
-        step, not a full one of the flood's prompts.
-        NOTE: capped only while a lighter tenant had prompt work, the flood's full steps ran between an
-        innocent's requests and its next prompt waited for one (innocent TTFT p99 6.9x its value
-        alone on a quiet host, benchmarks/results.md)."""
+        """The tenants whose prompt tokens this step are capped (`_heavy_cap`, together): while two or more
+        tenants are active (a request here, running or waiting, now or in the last TENANT_ACTIVE_S
+        seconds), those with prompt work (a running request still prefilling, or the next waiting request
+        in fair order) that ask more of the engine than the lightest active tenant (weighted tokens,
+        running and waiting; a tenant with no request here asks nothing). None: no cap.
+        So a lighter tenant's prompt shares its step with a slice of the flood's, not with a full budget
+        of it (on a CPU a step's time grows with its tokens), and so does its decoding; and its next
+        prompt, when it comes, waits for a small step, not a full one of the flood's prompts: also when
+        it had no request for a moment (a closed-loop client between two requests)."""
+        now = self.clock()
+        for r in itertools.chain(self.running, self.waiting):
+            self._active[r.tenant] = now
+        for t in [t for t, seen in self._active.items() if now - seen > TENANT_ACTIVE_S]:
+            del self._active[t]
         prompt_work = {r.tenant for r in self.running if r.num_tokens - r.num_computed_tokens > 1}
         if self.waiting:
             prompt_work.add(self.waiting[0].tenant)  # in fair order (`schedule`)
-        if not prompt_work:
-            return None
-        here = {r.tenant for r in self.running} | {r.tenant for r in self.waiting}
-        if len(here) < 2:
+        if not prompt_work or len(self._active) < 2:
             return None
         use = weighted_use(itertools.chain(self.running, self.waiting))  # what each asks of the engine
-        lightest = min(use[t] for t in here)
+        lightest = min(use[t] for t in self._active)
         heavy = {t for t in prompt_work if use[t] > lightest}
         return heavy or None
+
+    def _heavy_cap(self, prefill_budget: int) -> int:
+        """Prompt tokens per step for the tenants of `_heavy_tenants`, together (see the constants)."""
+        cap = self.config.tenant_prefill_tokens
+        if cap is None:
+            if str(self.config.device).startswith("cuda"):
+                cap = max(self.block_manager.block_size, prefill_budget // HEAVY_PREFILL_SHARE)
+            else:
+                cap = HEAVY_PREFILL_BLOCKS * self.block_manager.block_size
+        return max(1, min(cap, prefill_budget))
 
     def _fair_reserve(self, prefill_budget: int) -> int:
         """Prompt tokens held back from the running requests' chunks this step for the next waiting

@@ -10,7 +10,8 @@ import random
 import pytest
 
 from engine import InvalidRequestError, LLMEngine, SamplingParams
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineConfigError
+from engine.scheduler import HEAVY_PREFILL_BLOCKS, TENANT_ACTIVE_S
 from engine.spec.suffix import SuffixProposer
 from test_correctness import hf_greedy
 
@@ -212,9 +213,12 @@ def _record_steps(eng) -> list[list[tuple[str, int]]]:
     return steps
 
 
+CPU_CAP = HEAVY_PREFILL_BLOCKS * 4  # the default cap on a CPU with 4-token blocks
+
+
 def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prompt_work(model_dir):
-    """The step that computes the innocent's prompt carries at most an eighth of the prompt budget of the
-    flood's prompts (the budget is 64: 8 tokens), not the rest of the budget."""
+    """The step that computes the innocent's prompt carries at most the cap of the flood's prompts (on a
+    CPU, two blocks: 8 tokens), not the rest of the budget (64)."""
     eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     steps = _record_steps(eng)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
@@ -226,7 +230,7 @@ def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prom
     eng.step()
     with_innocent = dict(steps[-1])
     assert with_innocent.get("b0") == 6
-    assert sum(n for rid, n in with_innocent.items() if rid != "b0" and n > 1) <= 64 // 8
+    assert sum(n for rid, n in with_innocent.items() if rid != "b0" and n > 1) <= CPU_CAP
     assert sum(n for rid, n in dict(steps[0]).items()) == 64  # alone, the flood takes the whole budget
     while eng.has_unfinished_requests():
         eng.step()
@@ -234,9 +238,12 @@ def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prom
 
 
 def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_decodes(model_dir):
-    """The cap holds while the lighter tenant only decodes too: its next prompt, when it comes, waits for
-    a small step, not a full budget of the flood's prompts; with the flood alone, no cap."""
+    """The cap holds while the lighter tenant only decodes, and for TENANT_ACTIVE_S after its last request
+    went: its next prompt, when it comes, waits for a small step, not a full budget of the flood's prompts;
+    with the flood alone after that, no cap."""
     eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    now = [1000.0]
+    eng.scheduler.clock = lambda: now[0]
     steps = _record_steps(eng)
     rng = random.Random(5)
     eng.add_request("b0", [40, 41, 42, 43], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
@@ -248,10 +255,35 @@ def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_decodes(
     for _ in range(5):
         eng.step()
         flood = sum(n for rid, n in steps[-1] if rid.startswith("a") and n > 1)
-        assert dict(steps[-1]).get("b0") == 1 and flood <= 64 // 8, steps[-1]
+        assert dict(steps[-1]).get("b0") == 1 and flood <= CPU_CAP, steps[-1]
     eng.abort("b0")
+    now[0] += TENANT_ACTIVE_S - 0.5
+    eng.step()  # the innocent is still active: a closed-loop client's next request may be on its way
+    assert sum(n for rid, n in steps[-1] if rid.startswith("a") and n > 1) <= CPU_CAP, steps[-1]
+    now[0] += 1.0
     eng.step()
-    assert sum(n for rid, n in steps[-1] if rid.startswith("a")) > 64 // 8  # the flood alone: no cap
+    assert sum(n for rid, n in steps[-1] if rid.startswith("a")) > CPU_CAP  # the flood alone: no cap
     while eng.has_unfinished_requests():
         eng.step()
     eng.check_integrity()
+
+
+def test_the_heavier_tenants_cap_is_a_setting(model_dir):
+    eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False,
+                  tenant_prefill_tokens=20)
+    steps = _record_steps(eng)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    eng.add_request("b0", [40, 41, 42, 43], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                    tenant="innocent")
+    eng.step()
+    rng = random.Random(6)
+    for i in range(3):
+        eng.add_request(f"a{i}", [rng.randrange(3, 200) for _ in range(100)], params, tenant="flooder")
+    eng.step()
+    assert sum(n for rid, n in steps[-1] if rid.startswith("a") and n > 1) == 20, steps[-1]
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.check_integrity()
+    for bad in (0, -3, True):
+        with pytest.raises(EngineConfigError, match="tenant_prefill_tokens"):
+            EngineConfig(model=model_dir, tenant_prefill_tokens=bad)
