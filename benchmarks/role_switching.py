@@ -10,18 +10,21 @@ per phase.
    roles  the first split with --role-switching (the controller moves workers between the pools)
 ```
 
-Every request is greedy with ignore_eos, so each server does the same work. Run it on an idle host;
-the figures go to docs/guides/role-switching.md.
+Every request is greedy with ignore_eos, so each server does the same work. The load is sized to the
+host: before any server starts, one worker's engine alone is timed on a long prompt and on a full decode
+batch, and each phase arrives at `--load` times what one worker of its busy side serves (one worker
+there falls behind, two keep up); the SLOs default to multiples of the same times. Run it on an idle
+host; the figures go to docs/guides/role-switching.md.
 
-    .venv/bin/python benchmarks/role_switching.py [--workers 3 --scale 1.0 --json PATH]
+    .venv/bin/python benchmarks/role_switching.py [--workers 3 --load 1.5 --scale 1.0 --json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import replace
 import sys
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -33,15 +36,76 @@ from deployments.bench_cli import BenchConfig, Phase, run_benchmark  # noqa: E40
 from engine.model_loader import DEFAULT_MODEL_NAME  # noqa: E402
 
 
-def phases(scale: float) -> tuple[Phase, ...]:
-    def n(x: int) -> int:
+@dataclass
+class Calibration:
+    """One worker's speed on this host, measured before any server starts: its engine alone, `threads`
+    threads, `max_num_seqs` slots."""
+
+    prefill_s: float  # one PROMPT_LEN-token prompt
+    step_s: float  # one decode step of a full batch (max_num_seqs sequences)
+    max_num_seqs: int
+
+    def prefill_rate(self) -> float:
+        """Prompts of PROMPT_LEN tokens one prefill worker computes per second."""
+        return 1.0 / self.prefill_s
+
+    def decode_rate(self) -> float:
+        """Answers of ANSWER_LEN tokens one decode worker finishes per second (its slots full)."""
+        return self.max_num_seqs / (ANSWER_LEN * self.step_s)
+
+
+PROMPT_LEN, SHORT_ANSWER = 256, 4  # the prefill-heavy phases: summarization-like
+SHORT_PROMPT, ANSWER_LEN = 16, 96  # the decode-heavy phase: chat-like
+
+
+def calibrate(threads: int, max_num_seqs: int) -> Calibration:
+    import gc
+    import random
+    import statistics
+    import time
+
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    eng = LLMEngine(EngineConfig(num_threads=threads, max_num_seqs=max_num_seqs, kv_cache_memory_mb=256))
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(100, 20000) for _ in range(n)]
+
+    prefills = []
+    for k in range(4):
+        eng.add_request(f"p{k}", prompt(PROMPT_LEN), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            eng.step()
+        prefills.append(time.perf_counter() - t0)
+    for k in range(max_num_seqs):
+        eng.add_request(f"d{k}", prompt(SHORT_PROMPT), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    eng.step()
+    steps = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t0)
+    while eng.has_unfinished_requests():
+        eng.step()
+    del eng
+    gc.collect()
+    return Calibration(statistics.median(prefills[1:]), statistics.median(steps), max_num_seqs)
+
+
+def phases(cal: Calibration, load: float, scale: float) -> tuple[Phase, ...]:
+    """Prefill-heavy, decode-heavy, prefill-heavy: each arriving at `load` times what one worker of the
+    busy side serves alone (so one worker there is overloaded and two are not), about 30 s each (the
+    middle one twice as long: it holds as many requests as the other two together, so neither fixed
+    split has the better part of the run)."""
+    def n(x: float) -> int:
         return max(2, round(x * scale))
 
-    # Sized for one 2-core host with 3 one-thread workers: about one prefill worker's worth too many
-    # prompts in the first and last phase, about one decode worker's worth too many answers in the middle.
-    return (Phase(n(50), 256, 4, 2.5),   # summarization-like: the prompts are the work
-            Phase(n(30), 16, 96, 0.9),   # chat-like: the answers (and the decode slots) are the work
-            Phase(n(50), 256, 4, 2.5))
+    p_rate, d_rate = load * cal.prefill_rate(), load * cal.decode_rate()
+    prefill_heavy = Phase(n(30 * p_rate), PROMPT_LEN, SHORT_ANSWER, round(p_rate, 3))
+    return (prefill_heavy, Phase(2 * prefill_heavy.num_prompts, SHORT_PROMPT, ANSWER_LEN, round(d_rate, 3)),
+            prefill_heavy)
 
 
 def run_one(name: str, app_args: dict, cfg: BenchConfig, num_cpus: int) -> dict:
@@ -64,19 +128,30 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=3, help="prefill + decode workers in every server")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every phase's request count")
+    p.add_argument("--load", type=float, default=1.5,
+                   help="each phase's arrival rate over what one worker of its busy side serves alone")
     p.add_argument("--max-num-seqs", type=int, default=4, help="decode slots per worker")
     p.add_argument("--phase", action="append", type=Phase.parse, default=None, metavar="N,IN,OUT,RATE",
                    help="a phase of the load (repeat, in order; default: the sized ones above, by --scale)")
     p.add_argument("--only", default=None, help="run only the servers whose name contains this (calibrating)")
-    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=300.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="default: 6 prompts' time on one worker (at least 3000)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 3 decode steps' time on one worker")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     n = args.workers
     splits = [(k, n - k) for k in range(1, n)]
+    cal = calibrate(args.threads, args.max_num_seqs)
+    print(f"calibration: one {PROMPT_LEN}-token prompt {cal.prefill_s * 1000:.0f} ms, a decode step of "
+          f"{args.max_num_seqs} {cal.step_s * 1000:.0f} ms: one worker serves {cal.prefill_rate():.2f} prompts/s "
+          f"or {cal.decode_rate():.2f} answers of {ANSWER_LEN} tokens/s", flush=True)
+    if args.slo_ttft_ms is None:
+        args.slo_ttft_ms = round(max(3000.0, 6000 * cal.prefill_s))
+    if args.slo_tpot_ms is None:
+        args.slo_tpot_ms = round(3000 * cal.step_s)
     cfg = BenchConfig(base_url="http://unused", model=DEFAULT_MODEL_NAME, vocab_size=20000, seed=7,
                       timeout_s=1800, progress=False, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                      phases=tuple(args.phase) if args.phase else phases(args.scale))
+                      phases=tuple(args.phase) if args.phase else phases(cal, args.load, args.scale))
     # Each worker is one device's worth: `--threads` threads, no borrowing of idle workers' cores
     # (share_node_cores off), `--max-num-seqs` decode slots; so the split matters as it does on GPUs.
     # NOTE: no TPOT target for the controller: on one CPU host every worker's steps slow down with the
@@ -118,6 +193,7 @@ def main() -> int:
                                                       "TPOT p50", "TPOT p99", "good", "goodput/s"], rows, notes)
     if args.json:
         write_json(args.json, {"machine": machine_info(), "args": vars(args), "ratio": ratio,
+                               "calibration": vars(cal), "phases": [asdict(ph) for ph in cfg.phases],
                                "runs": [{k: v for k, v in r.items() if k != "requests"} for r in runs]})
     return 0
 

@@ -75,7 +75,8 @@ async def _client(client: httpx.AsyncClient, key: str, prompt_len: int, max_toke
 
 
 async def _phase(url: str, seconds: float, clients: int, flood: int, innocent_key: str, flood_key: str,
-                 args) -> dict:
+                 args, seed: int) -> dict:
+    """One phase; `seed` tells its prompts from every other phase's (none is in the prefix cache)."""
     stop_at = time.monotonic() + seconds
     innocent: list[float] = []
     flooded: list[float] = []
@@ -83,17 +84,20 @@ async def _phase(url: str, seconds: float, clients: int, flood: int, innocent_ke
     counts_f: dict = {}
     limits = httpx.Limits(max_connections=clients + flood + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as c:
-        tasks = [_client(c, flood_key, args.flood_prompt, args.flood_tokens, stop_at, flooded, counts_f, 1000 + i)
+        tasks = [_client(c, flood_key, args.flood_prompt, args.flood_tokens, stop_at, flooded, counts_f,
+                         seed * 10_000 + 1000 + i)
                  for i in range(flood)]
         if flood:
             await asyncio.sleep(2.0)  # the flood fills the slots and the queue first
-        tasks += [_client(c, innocent_key, args.prompt, args.tokens, stop_at, innocent, counts_i, i)
+        tasks += [_client(c, innocent_key, args.prompt, args.tokens, stop_at, innocent, counts_i,
+                          seed * 10_000 + i)
                   for i in range(clients)]
         await asyncio.gather(*tasks)
     return {"innocent_ttft_p50_s": _p(innocent, 0.5), "innocent_ttft_p99_s": _p(innocent, 0.99),
             "innocent_ttft_max_s": max(innocent, default=float("nan")), "innocent_requests": len(innocent),
             "innocent_status": counts_i, "flood_ttft_p50_s": _p(flooded, 0.5), "flood_requests": len(flooded),
-            "flood_status": counts_f, "innocent_ttft_mean_s": statistics.fmean(innocent) if innocent else None}
+            "flood_status": counts_f, "innocent_ttft_mean_s": statistics.fmean(innocent) if innocent else None,
+            "innocent_ttfts_s": innocent}
 
 
 def _phase_in_child(*a) -> dict:
@@ -127,13 +131,13 @@ def main() -> None:
     rows = {}
     clients = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
     with clients, engine_http_server(cfg, tenants=book, api_key=SHARED) as url:
-        clients.submit(_phase_in_child, url, 4.0, 1, 0, INNOCENT, FLOODER, args).result()  # warm up
+        clients.submit(_phase_in_child, url, 4.0, 1, 0, INNOCENT, FLOODER, args, 0).result()  # warm up
         phases = {"alone": (0, INNOCENT, FLOODER),
                   f"beside {flood}-stream flood, tenants (fair)": (flood, INNOCENT, FLOODER),
                   f"beside {flood}-stream flood, one shared key (FCFS)": (flood, SHARED, SHARED)}
-        for name, (n_flood, ikey, fkey) in phases.items():
+        for seed, (name, (n_flood, ikey, fkey)) in enumerate(phases.items(), start=1):
             rows[name] = row = clients.submit(_phase_in_child, url, args.seconds, args.clients, n_flood, ikey,
-                                              fkey, args).result()
+                                              fkey, args, seed).result()
             print(f"{name:>44}: innocent TTFT p50 {row['innocent_ttft_p50_s']:.3f} s, p99 "
                   f"{row['innocent_ttft_p99_s']:.3f} s, max {row['innocent_ttft_max_s']:.3f} s "
                   f"({row['innocent_requests']} requests); flood {row['flood_requests']} requests, "

@@ -112,7 +112,7 @@ class EngineConfig:
             "step's time grows with its prompt tokens (on a CPU, about linearly), and a lighter tenant's next "
             "prompt waits for the step in progress: the cap bounds that step, at the cost of the heavier "
             "tenants' prompt throughput while the lighter one is active (engine/fair_share.py)",
-        default_doc="2 blocks on a CPU; max_num_batched_tokens/8 on CUDA")
+        default_doc="1 block on a CPU; max_num_batched_tokens/8 on CUDA")
     enable_prefix_caching: bool = setting(
         True, "keep the KV of full blocks after their request ends, keyed by their tokens, so a later prompt "
               "with the same prefix skips recomputing it",

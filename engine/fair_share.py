@@ -21,7 +21,7 @@ cannot hold another tenant's request in the queue until one of its own ends. And
 tenant's requests are still prefilling, up to half of a step's prompt budget is held back from their
 chunks for that next request (`Scheduler._fair_reserve`), so it starts in the step it is admitted; and
 while a lighter tenant is active (a request in the engine now or in the last two seconds), heavier
-tenants' prompt tokens in a step are capped together (`EngineConfig.tenant_prefill_tokens`: two blocks
+tenants' prompt tokens in a step are capped together (`EngineConfig.tenant_prefill_tokens`: one block
 on a CPU, an eighth of the budget on CUDA; `Scheduler._heavy_tenants`): a step's time grows with its
 tokens, so the lighter tenant's next prompt waits for a small step, not a full one of the flood's
 prompts.

@@ -26,7 +26,7 @@ from engine.request import Request, RequestStatus
 # prompt budget (a step's time there hardly grows with a few hundred tokens more); on a CPU, where it grows
 # about linearly, to HEAVY_PREFILL_BLOCKS blocks.
 HEAVY_PREFILL_SHARE = 8
-HEAVY_PREFILL_BLOCKS = 2
+HEAVY_PREFILL_BLOCKS = 1
 TENANT_ACTIVE_S = 2.0
 
 
@@ -271,8 +271,8 @@ class Scheduler:
     def _heavy_tenants(self) -> set[str | None] | None:
         """The tenants whose prompt tokens this step are capped (`_heavy_cap`, together): while two or more
         tenants are active (a request here, running or waiting, now or in the last TENANT_ACTIVE_S
-        seconds), those with prompt work (a running request still prefilling, or the next waiting request
-        in fair order) that ask more of the engine than the lightest active tenant (weighted tokens,
+        seconds), those with prompt work (a running request still prefilling, or any waiting request) that
+        ask more of the engine than the lightest active tenant (weighted tokens,
         running and waiting; a tenant with no request here asks nothing). None: no cap.
         So a lighter tenant's prompt shares its step with a slice of the flood's, not with a full budget
         of it (on a CPU a step's time grows with its tokens), and so does its decoding; and its next
@@ -283,9 +283,9 @@ class Scheduler:
             self._active[r.tenant] = now
         for t in [t for t, seen in self._active.items() if now - seen > TENANT_ACTIVE_S]:
             del self._active[t]
+        # Every waiting request may be admitted this step (behind the head), so its tenant has prompt work.
         prompt_work = {r.tenant for r in self.running if r.num_tokens - r.num_computed_tokens > 1}
-        if self.waiting:
-            prompt_work.add(self.waiting[0].tenant)  # in fair order (`schedule`)
+        prompt_work.update(r.tenant for r in self.waiting)
         if not prompt_work or len(self._active) < 2:
             return None
         use = weighted_use(itertools.chain(self.running, self.waiting))  # what each asks of the engine

@@ -218,7 +218,7 @@ CPU_CAP = HEAVY_PREFILL_BLOCKS * 4  # the default cap on a CPU with 4-token bloc
 
 def test_a_heavier_tenants_prompt_tokens_are_capped_while_a_lighter_one_has_prompt_work(model_dir):
     """The step that computes the innocent's prompt carries at most the cap of the flood's prompts (on a
-    CPU, two blocks: 8 tokens), not the rest of the budget (64)."""
+    CPU, one block: 4 tokens), not the rest of the budget (64)."""
     eng = _engine(model_dir, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     steps = _record_steps(eng)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
