@@ -131,6 +131,9 @@ def main() -> int:
     p.add_argument("--load", type=float, default=1.5,
                    help="each phase's arrival rate over what one worker of its busy side serves alone")
     p.add_argument("--max-num-seqs", type=int, default=4, help="decode slots per worker")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="conditional disaggregation in every server (default 0, off: a fixed split is fixed; "
+                        "pdserve's default, 512, lets decode workers take prompts of 256 tokens)")
     p.add_argument("--phase", action="append", type=Phase.parse, default=None, metavar="N,IN,OUT,RATE",
                    help="a phase of the load (repeat, in order; default: the sized ones above, by --scale)")
     p.add_argument("--only", default=None, help="run only the servers whose name contains this (calibrating)")
@@ -157,7 +160,8 @@ def main() -> int:
     # NOTE: no TPOT target for the controller: on one CPU host every worker's steps slow down with the
     # whole host's load, so step time does not tell which side lacks workers; slots waited for do.
     common = dict(num_threads=args.threads, worker_num_cpus=0.5, kv_cache_memory_mb=256, share_node_cores=False,
-                  max_num_seqs=args.max_num_seqs, prefill_target_queued_tokens=512, decode_target_waiting=1)
+                  max_num_seqs=args.max_num_seqs, prefill_target_queued_tokens=512, decode_target_waiting=1,
+                  local_prefill_max_tokens=args.local_prefill_max_tokens)
     servers = {f"fixed {pre}P+{dec}D": dict(common, num_prefill_workers=pre, num_decode_workers=dec)
                for pre, dec in splits}
     pre, dec = splits[0] if len(splits) == 1 else splits[len(splits) // 2]

@@ -86,6 +86,7 @@ class Scheduler:
         self.num_cached_tokens = 0  # prompt tokens taken from the prefix cache, all requests so far
         self.fair_clock = FairClock()  # tenants' weighted fair queueing (engine/fair_share.py)
         self._heavy: set[str | None] | None = None  # this step's capped tenants (`_heavy_tenants`)
+        self._slot_victim: Request | None = None  # preempted for a fair share this step: not readmitted
         self._heavy_left = 0
         self._active: dict[str | None, float] = {}  # tenant -> when it last had a request here
         self.clock = time.monotonic  # for `_active` (tests set their own)
@@ -186,7 +187,7 @@ class Scheduler:
         # Prompt tokens (new prompts, later chunks, recomputes) have their own cap inside the budget.
         left = _Budget(budget, self.config.max_prefill_tokens_per_step or budget)
         reserve = 0
-        self._heavy = None
+        self._heavy = self._slot_victim = None
         tenants_waiting = has_tenants(self.waiting)
         if self.config.batching == "continuous" and (tenants_waiting or has_tenants(self.running)):
             if tenants_waiting:
@@ -197,7 +198,7 @@ class Scheduler:
                     self.waiting = fair_order(self.waiting)
                 reserve = self._fair_reserve(left.prefill)
             self._heavy = self._heavy_tenants()
-            self._heavy_left = self._heavy_cap(left.prefill)
+            self._heavy_left = 0 if self._lighter_prompt_starts() else self._heavy_cap(left.prefill)
         slot_preemptions = len(out.preempted)
         left.tokens, left.prefill = left.tokens - reserve, left.prefill - reserve
         self._schedule_running(out, left)
@@ -266,6 +267,10 @@ class Scheduler:
         victim = slot_victim(self.waiting[0], self.running)
         if victim is not None:
             self._preempt(victim, out)
+            # It waits this step at least: with an earlier finish tag (slot_victim weighs the tenants'
+            # running tokens, not the tags) it would go ahead of the request it made room for and take
+            # the slot back, step after step.
+            self._slot_victim = victim
         return victim is not None
 
     def _heavy_tenants(self) -> set[str | None] | None:
@@ -292,6 +297,27 @@ class Scheduler:
         lightest = min(use[t] for t in self._active)
         heavy = {t for t in prompt_work if use[t] > lightest}
         return heavy or None
+
+    def _lighter_prompt_starts(self) -> bool:
+        """The next waiting request in fair order is a lighter tenant's (not in `_heavy`) and starts this
+        step for sure: a slot is free, blocks for its whole prompt are free, and no running request is
+        computing one of its blocks (it would wait for that: shared prefill). Then the heavier tenants'
+        prompts get nothing this step: the lighter one's first token waits for its own prompt and the
+        decodes, not for a slice of the flood's. Only when it starts for sure: else a capped prefill it
+        waits on (a shared block, blocks to free) would never come."""
+        if self._heavy is None or len(self.running) >= self.config.max_num_seqs:
+            return False
+        # In fair order (`schedule`); a request preempted for a fair share this step waits.
+        head = next((r for r in self.waiting if r is not self._slot_victim), None)
+        if head is None or head.tenant in self._heavy or head.urgent or head.block_table:
+            return False
+        bm = self.block_manager
+        hits = self._cached_prefix(head)
+        key = self._next_uncached_key(head, len(hits))
+        if key is not None and key in self._pending_keys(self.running):
+            return False
+        need = bm.blocks_for_tokens(head.num_tokens) - len(hits)
+        return need <= (bm.num_free_after_taking(hits) if hits else bm.num_free_blocks)
 
     def _heavy_cap(self, prefill_budget: int) -> int:
         """Prompt tokens per step for the tenants of `_heavy_tenants`, together (see the constants)."""
@@ -339,6 +365,9 @@ class Scheduler:
             if not self._admission_open():
                 break
             req = self.waiting[i]
+            if req is self._slot_victim:
+                i += 1
+                continue
             if (urgent or left.prefill <= 0) and not req.urgent:
                 break
             hits = self._cached_prefix(req)
