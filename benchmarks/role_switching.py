@@ -16,7 +16,7 @@ batch, and each phase arrives at `--load` times what one worker of its busy side
 there falls behind, two keep up); the SLOs default to multiples of the same times. Run it on an idle
 host; the figures go to docs/guides/role-switching.md.
 
-    .venv/bin/python benchmarks/role_switching.py [--workers 3 --load 1.5 --scale 1.0 --json PATH]
+    .venv/bin/python benchmarks/role_switching.py [--workers 3 --load 1.3 --scale 1.0 --json PATH]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def calibrate(threads: int, max_num_seqs: int) -> Calibration:
         return [rng.randrange(100, 20000) for _ in range(n)]
 
     prefills = []
-    for k in range(4):
+    for k in range(9):
         eng.add_request(f"p{k}", prompt(PROMPT_LEN), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         t0 = time.perf_counter()
         while eng.has_unfinished_requests():
@@ -95,16 +95,15 @@ def calibrate(threads: int, max_num_seqs: int) -> Calibration:
 
 
 def phases(cal: Calibration, load: float, scale: float) -> tuple[Phase, ...]:
-    """Prefill-heavy, decode-heavy, prefill-heavy: each arriving at `load` times what one worker of the
-    busy side serves alone (so one worker there is overloaded and two are not), about 30 s each (the
-    middle one twice as long: it holds as many requests as the other two together, so neither fixed
-    split has the better part of the run)."""
+    """Prefill-heavy, decode-heavy, prefill-heavy, as many requests each: each arriving at `load` times
+    what one worker of the busy side serves alone (so one worker there falls behind and two keep up);
+    the prefill-heavy ones last about 30 s, the decode-heavy one longer (its answers take longer)."""
     def n(x: float) -> int:
         return max(2, round(x * scale))
 
     p_rate, d_rate = load * cal.prefill_rate(), load * cal.decode_rate()
     prefill_heavy = Phase(n(30 * p_rate), PROMPT_LEN, SHORT_ANSWER, round(p_rate, 3))
-    return (prefill_heavy, Phase(2 * prefill_heavy.num_prompts, SHORT_PROMPT, ANSWER_LEN, round(d_rate, 3)),
+    return (prefill_heavy, Phase(prefill_heavy.num_prompts, SHORT_PROMPT, ANSWER_LEN, round(d_rate, 3)),
             prefill_heavy)
 
 
@@ -128,7 +127,7 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=3, help="prefill + decode workers in every server")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every phase's request count")
-    p.add_argument("--load", type=float, default=1.5,
+    p.add_argument("--load", type=float, default=1.3,
                    help="each phase's arrival rate over what one worker of its busy side serves alone")
     p.add_argument("--max-num-seqs", type=int, default=4, help="decode slots per worker")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
