@@ -17,14 +17,16 @@ while the flooder holds more.
 
 When every sequence slot (`max_num_seqs`) is taken, the next waiting request in fair order takes one
 from the heaviest tenant when that evens the shares out (`slot_victim`): a flood that fills the batch
-cannot hold another tenant's request in the queue until one of its own ends. And while a heavier
+cannot hold another tenant's request in the queue until one of its own ends (the request preempted
+for it waits out that step, so it cannot take the slot back first). And while a heavier
 tenant's requests are still prefilling, up to half of a step's prompt budget is held back from their
 chunks for that next request (`Scheduler._fair_reserve`), so it starts in the step it is admitted; and
 while a lighter tenant is active (a request in the engine now or in the last two seconds), heavier
 tenants' prompt tokens in a step are capped together (`EngineConfig.tenant_prefill_tokens`: one block
-on a CPU, an eighth of the budget on CUDA; `Scheduler._heavy_tenants`): a step's time grows with its
-tokens, so the lighter tenant's next prompt waits for a small step, not a full one of the flood's
-prompts.
+on a CPU, an eighth of the budget on CUDA; `Scheduler._heavy_tenants`), and get none in the step that
+starts the lighter tenant's next prompt (`Scheduler._lighter_prompt_starts`): a step's time grows with
+its tokens, so the lighter tenant's next prompt waits for a small step, not a full one of the flood's
+prompts, and then for a step of its own.
 
 Requests without a tenant (`tenant=None`) are one tenant of weight 1. When no request in the engine
 has a tenant, the scheduler keeps its plain (priority, arrival) order and newest-first preemption.
