@@ -31,7 +31,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fmt, machine_info, print_table, serve_app, write_json  # noqa: E402
+from benchmarks.common import drain, fmt, machine_info, print_table, serve_app, write_json  # noqa: E402
 from deployments.bench_cli import BenchConfig, Phase, run_benchmark  # noqa: E402
 from engine.model_loader import DEFAULT_MODEL_NAME  # noqa: E402
 
@@ -76,8 +76,7 @@ def calibrate(threads: int, max_num_seqs: int) -> Calibration:
     for k in range(9):
         eng.add_request(f"p{k}", prompt(PROMPT_LEN), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         t0 = time.perf_counter()
-        while eng.has_unfinished_requests():
-            eng.step()
+        drain(eng)
         prefills.append(time.perf_counter() - t0)
     for k in range(max_num_seqs):
         eng.add_request(f"d{k}", prompt(SHORT_PROMPT), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
@@ -87,8 +86,7 @@ def calibrate(threads: int, max_num_seqs: int) -> Calibration:
         t0 = time.perf_counter()
         eng.step()
         steps.append(time.perf_counter() - t0)
-    while eng.has_unfinished_requests():
-        eng.step()
+    drain(eng)
     del eng
     gc.collect()
     return Calibration(statistics.median(prefills[1:]), statistics.median(steps), max_num_seqs)

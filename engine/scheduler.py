@@ -298,6 +298,11 @@ class Scheduler:
         heavy = {t for t in prompt_work if use[t] > lightest}
         return heavy or None
 
+    def _fair_head(self) -> Request | None:
+        """The waiting request that goes next (`waiting` is in fair order, `schedule`), passing over one
+        preempted for a fair share this step: it waits out the step."""
+        return next((r for r in self.waiting if r is not self._slot_victim), None)
+
     def _lighter_prompt_starts(self) -> bool:
         """The next waiting request in fair order is a lighter tenant's (not in `_heavy`) and starts this
         step for sure: a slot is free, blocks for its whole prompt are free, and no running request is
@@ -307,8 +312,7 @@ class Scheduler:
         waits on (a shared block, blocks to free) would never come."""
         if self._heavy is None or len(self.running) >= self.config.max_num_seqs:
             return False
-        # In fair order (`schedule`); a request preempted for a fair share this step waits.
-        head = next((r for r in self.waiting if r is not self._slot_victim), None)
+        head = self._fair_head()
         if head is None or head.tenant in self._heavy or head.urgent or head.block_table:
             return False
         bm = self.block_manager
@@ -334,9 +338,9 @@ class Scheduler:
         request in fair order, when its tenant holds less than a tenant whose running request is still
         prefilling: else a flood's long prompts, chunk after chunk, would take every step's prompt
         budget before a waiting request is looked at. At most half the budget."""
-        if len(self.running) >= self.config.max_num_seqs or not self.waiting:
+        head = self._fair_head()
+        if len(self.running) >= self.config.max_num_seqs or head is None:
             return 0
-        head = self.waiting[0]  # in fair order (`schedule`)
         use = weighted_use(self.running)
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         if not any(use[r.tenant] > use[head.tenant] for r in prefilling):
