@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import ray
 
 from deployments import metrics, tracing
-from deployments.cluster.engine_worker import AbortMarks, EngineWorker, engine_arrival
+from deployments.cluster.engine_worker import EngineWorker, engine_arrival
 from deployments.cluster.kv_endpoint import KVExportMixin
 from deployments.cluster.messages import (Admission, BackupTo, DecodeReport, FetchFrom, GenRequest, Role, StreamEvent,
                                           WorkerSnapshot)
@@ -55,10 +55,6 @@ class DecodeSide(KVExportMixin, EngineWorker):
         self._start()
 
     def _init_decode(self) -> None:
-        config = self.config
-        # Attempts aborted before they joined the engine (an `admit` or `resume` may be pulling KV):
-        # (request id, attempt) -> when; they are dropped when their call gets that far.
-        self._aborted = AbortMarks(ttl_s=max(120.0, 4 * config.kv_transfer_timeout_s))
         # KV backups: request id -> where to copy its prompt, until the prompt is computed; then the
         # copied blocks, pinned by lease id until the prefill worker has them.
         self._backups: dict[str, BackupTo] = {}
@@ -198,17 +194,11 @@ class DecodeSide(KVExportMixin, EngineWorker):
         prefix fetch under way) is dropped when it gets here."""
         with self.lock:
             req = self.requests.get(request_id)
-            if req is None and in_flight:
-                self._aborted.add(request_id, attempt)
-            elif req is not None and attempt is not None and req.attempt != attempt:
+            if req is not None and attempt is not None and req.attempt != attempt:
                 return False  # a newer attempt runs here: the abort was for one the router gave up on
             self._backups.pop(request_id, None)
             self.traces.end(request_id, {"finish_reason": "abort"})
-            return EngineWorker.abort(self, request_id, attempt)
-
-    def num_abort_marks(self) -> int:
-        with self.lock:
-            return len(self._aborted)
+            return EngineWorker.abort(self, request_id, attempt, in_flight)
 
     def snapshot(self) -> WorkerSnapshot:
         """What this worker holds, for a router rebuilding its state after a restart."""

@@ -145,6 +145,10 @@ class EngineWorker:
         self.requests: dict[str, GenRequest] = {}
         self.num_orphans = 0  # requests aborted here because their client was gone (`_sweep_orphans`)
         self._swept: dict[str, GenRequest] = {}  # the requests held at the last sweep
+        # Attempts aborted before they got here (the call that brings one, an `add`, `admit` or `resume`,
+        # was in flight: Ray runs this actor's calls on a thread pool, in any order): (request id,
+        # attempt) -> when; the call drops its request when it gets that far.
+        self._aborted = AbortMarks(ttl_s=max(120.0, 4 * config.kv_transfer_timeout_s))
 
     def _init_exporter(self) -> None:
         """Every kind of worker exports KV (a prefill worker its prompts, a decode worker KV backups and
@@ -240,13 +244,19 @@ class EngineWorker:
     def abort(self, request_id: str, attempt: int | None = None, in_flight: bool = False) -> bool:
         """End `request_id` here: only its attempt `attempt`, if given (the router gave up on that one
         and may have placed the next one here already). `in_flight`: the call that brings it here
-        may still be on its way (the decode worker remembers the abort for it)."""
+        may still be on its way: one not here yet is dropped when it gets here (`AbortMarks`)."""
         with self.lock:
             req = self.requests.get(request_id)
+            if req is None and in_flight:
+                self._aborted.add(request_id, attempt)
             if req is not None and attempt is not None and req.attempt != attempt:
                 return False
             self.requests.pop(request_id, None)
             return self.engine.abort(request_id)
+
+    def num_abort_marks(self) -> int:
+        with self.lock:
+            return len(self._aborted)
 
     def check_integrity(self) -> dict:
         """Runs the block manager's integrity check; returns block use for the caller's assertions."""

@@ -110,6 +110,7 @@ class Placement:
         t.queued_tokens = len(t.req.prompt_token_ids) - cached
         w.queued_prompt_tokens += t.queued_tokens
         t.stage, t.worker_id, t.prefill_worker_id, t.handle = Stage.PREFILL, w.worker_id, w.worker_id, None
+        t.adding = True
         self._computes(t, w, cached)
         return ToPrefill(t, w.worker_id)
 
@@ -176,7 +177,9 @@ class Placement:
         if t.stage is Stage.PREFILL:
             self.prefill_done(t)
             if self.state.worker(t.worker_id) is not None:
-                return [AbortOn(t.worker_id, request_id, t.req.attempt)]
+                # NOTE: a worker runs its calls on a thread pool, so an abort sent right after the
+                # `add` may run before it: one in flight leaves a mark that drops the `add`.
+                return [AbortOn(t.worker_id, request_id, t.req.attempt, t.adding)]
         elif t.stage is Stage.PENDING_DECODE:
             if self.state.worker(t.prefill_worker_id) is not None and t.handle is not None:
                 return [ReleaseKV(t.prefill_worker_id, request_id, t.handle.epoch)]

@@ -94,6 +94,8 @@ class PrefillSide(KVExportMixin, EngineWorker):
         try:
             with self.lock:
                 self._forget(req.request_id)
+                if self._aborted.take(req):
+                    return  # its client left while this call was on its way
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         prefill_only=True, arrival_time=engine_arrival(req),
                                         urgent=req.offset > 0, cache_salt=req.cache_salt,

@@ -114,6 +114,8 @@ class RouterCalls:
         comes. (The engine's own refusals come back as an error event from the worker.)"""
         try:
             await asyncio.wait_for(ref, WORKER_CALL_TIMEOUT_S)
+            if t.req is req:
+                t.adding = False  # an abort from now on finds it there (or finds it gone)
         except ray.exceptions.RayTaskError as exc:
             if self.state.tracked.get(req.request_id) is t and t.req is req and t.stage is Stage.PREFILL and \
                     t.worker_id == worker_id:

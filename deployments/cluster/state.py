@@ -45,6 +45,7 @@ class Tracked:
     queued_tokens: int = 0  # what it added to its prefill worker's queue: its prompt less the cached part
     hashes: list[bytes] | None = None  # its prompt's block hashes (prefix-aware placement), computed once
     hashes_of: GenRequest | None = None  # ... for this req (a requeue replaces req and its prompt)
+    adding: bool = False  # its prefill worker's `add` is sent and not yet answered
 
 
 @dataclass(slots=True)

@@ -225,3 +225,32 @@ def test_decode_reports_follow_changes_not_steps(workers):
     # Joining, starting to decode and finishing are news; the rest is one report per interval.
     assert len(reports) <= 4 + elapsed / REPORT_EVERY_S < steps, (len(reports), steps, elapsed)
     assert [r for r in reports if "reports" in r[0]] == [(["reports"],)]
+
+
+def test_an_abort_that_overtakes_its_add_drops_that_attempt(workers):
+    """The worker runs its calls on a thread pool, so the router's abort, sent right after the `add`,
+    may run first: the `add` of that attempt then never starts (a later attempt does)."""
+    router, hub, prefill, _ = workers
+
+    def req(rid, attempt=0):
+        r = GenRequest(rid, [300 + i for i in range(BS + 2)], SamplingParams(max_tokens=2), "hub", hub.address,
+                       arrival_time=time.time())
+        r.attempt = attempt
+        return r
+
+    def prefilled(rid):
+        return [c[1] for c in ray.get(router.get.remote("on_prefilled"), timeout=30) if c[0] == rid]
+
+    assert ray.get(prefill.abort.remote("overtaken", 0, True), timeout=30) is False  # not here yet
+    assert ray.get(prefill.abort.remote("retried", 0, True), timeout=30) is False
+    assert ray.get(prefill.num_abort_marks.remote(), timeout=30) == 2
+    ray.get([prefill.add.remote(req("overtaken")), prefill.add.remote(req("retried", attempt=1))], timeout=30)
+    assert ray.get(prefill.num_abort_marks.remote(), timeout=30) == 1  # attempt 1 was not the one aborted
+    handle = _wait(lambda: prefilled("retried"))[0]
+    assert ray.get(prefill.kv_release.remote("retried", handle.epoch), timeout=30)
+    ray.get(prefill.add.remote(req("after")), timeout=30)  # queued behind anything "overtaken" would be
+    handle = _wait(lambda: prefilled("after"))[0]
+    assert ray.get(prefill.kv_release.remote("after", handle.epoch), timeout=30)
+    assert prefilled("overtaken") == []
+    use = _wait(lambda: (u := ray.get(prefill.check_integrity.remote(), timeout=30))["num_used_blocks"] == 0 and u)
+    assert use["num_requests"] == 0

@@ -61,7 +61,12 @@ def test_a_client_abort_names_the_attempt_and_whether_its_call_is_in_flight():
     t = parts.submit("a", 40)
     parts.placement.place_prefill(t)
     t.req.attempt = 2
-    assert parts.placement.abort("a") == [AbortOn("p0", "a", 2, False)]
+    assert t.adding  # the prefill worker's `add` is on its way: the abort may run before it
+    assert parts.placement.abort("a") == [AbortOn("p0", "a", 2, True)]
+    t = parts.submit("c", 40)
+    parts.placement.place_prefill(t)
+    t.adding = False  # the router saw the `add` answered (`RouterCalls._added`)
+    assert parts.placement.abort("c") == [AbortOn("p0", "c", 0, False)]
     t = parts.submit("b", 40)
     parts.placement.place_prefill(t)
     parts.placement.prefilled("p0", "b", kv_handle("p0", "b", 40))
