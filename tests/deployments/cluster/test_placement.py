@@ -162,7 +162,7 @@ def test_a_local_prefill_is_backed_up_on_the_prefill_worker_caching_most_of_it()
 def test_an_abort_frees_what_its_stage_holds(parts):
     on_prefill = parts.submit("a", 64)
     parts.placement.place_prefill(on_prefill, allow_local=False)
-    assert parts.placement.abort("a") == [AbortOn("p0", "a", 0)]  # names its attempt
+    assert parts.placement.abort("a") == [AbortOn("p0", "a", 0, True)]  # names its attempt; its add may be on its way
     assert parts.w("p0").queued_prompt_tokens == 0 and "a" not in parts.state.tracked
     leased = parts.submit("b", 64)
     parts.placement.place_prefill(leased, allow_local=False)
