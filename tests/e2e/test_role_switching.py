@@ -19,6 +19,9 @@ from helpers import generate_via_router, local_ray, pdserve_router, run_offline,
 
 PROMPTS = [[1 + (i * 37 + j * 11) % 4000 for j in range(n)] for i, n in enumerate((5, 23, 40, 9, 31, 17))]
 PARAMS = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+# Long enough that the streams outlast the round of the role controller that hands them on (a switch
+# asked for begins at once; its worker's sequences move at the next `autoscale_interval_s` tick).
+LONG = SamplingParams(max_tokens=600, temperature=0, ignore_eos=True)
 BASE = dict(num_prefill_workers=1, num_decode_workers=2, role_switching=True, kv_cache_memory_mb=16,
             block_size=4, dtype="float32", max_num_seqs=8, health_check_timeout_s=5.0, role_switch_drain_s=0.3,
             autoscale_interval_s=0.25)
@@ -45,9 +48,18 @@ def router(ray_cluster, model):
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    eng = LLMEngine(EngineConfig(model=model, num_kv_blocks=512, block_size=4, dtype="float32"))
-    return [o.token_ids for o in run_offline(eng, PROMPTS, PARAMS)]
+def engine(model):
+    return LLMEngine(EngineConfig(model=model, num_kv_blocks=1024, block_size=4, dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return [o.token_ids for o in run_offline(engine, PROMPTS, PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def long_reference(engine):
+    return [o.token_ids for o in run_offline(engine, PROMPTS, LONG)]
 
 
 def _generate(router, prompts, params=PARAMS, on_progress=None, tag="r"):
@@ -75,7 +87,7 @@ def _pools_are(router, prefill: set[str], decode: set[str]):
                     timeout_s=60, interval_s=0.2, what=f"pools {prefill} / {decode}")
 
 
-def test_a_worker_switched_under_load_both_ways_loses_nothing(router, reference):
+def test_a_worker_switched_under_load_both_ways_loses_nothing(router, reference, long_reference):
     if True:
         worker = ray.get(router.workers.remote())["pdserve-decode-0"]
         before = _stats(router)["counters"]
@@ -84,7 +96,7 @@ def test_a_worker_switched_under_load_both_ways_loses_nothing(router, reference)
             d = await router.switch_role.remote("pdserve-decode-0", "prefill")
             assert (d["from"], d["to"]) == ("decode", "prefill")
 
-        assert _generate(router, PROMPTS, on_progress=_once_streaming(to_prefill), tag="a") == reference
+        assert _generate(router, PROMPTS, LONG, on_progress=_once_streaming(to_prefill), tag="a") == long_reference
         s = _pools_are(router, {"pdserve-prefill-0", "pdserve-decode-0"}, {"pdserve-decode-1"})
         assert s["roles"]["decisions"][-1]["completed_at"] is not None
         assert s["counters"]["migrations"] > before["migrations"]  # its sequences moved mid-stream
