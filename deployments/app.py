@@ -102,14 +102,40 @@ def direct_ingress_on() -> bool:
 
 def serve_http_limits(cfg: ServeConfig) -> None:
     """Give this ingress replica's HTTP server `cfg`'s limits (direct ingress), or refuse the limits
-    Serve's proxy cannot honour (ServeConfigError naming them): deployments/http_limits.py."""
+    Serve's proxy cannot honour (ServeConfigError naming them): deployments/http_limits.py. With direct
+    ingress the replica also opens no gRPC server of its own (`no_replica_grpc_server`)."""
     from deployments.config import ServeConfigError
     from deployments.http_limits import apply_to_direct_ingress, proxy_limits_error
 
     if direct_ingress_on():
         apply_to_direct_ingress(cfg)
+        no_replica_grpc_server()
     elif why := proxy_limits_error(cfg):
         raise ServeConfigError(why)
+
+
+def no_replica_grpc_server() -> None:
+    """With direct ingress and gRPC options, Serve 2.60 starts a gRPC server in every ingress replica
+    (`Replica._maybe_start_direct_ingress_servers`: every interface, ports from
+    RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT), beside the gRPC proxy on `--grpc-port` that pdserve's clients
+    are told to use and that routes to the replica over Ray all the same. Such a listener on the HTTP
+    app's replica served no method yet answered reflection. So in this process (one replica) the
+    replica module's `is_grpc_enabled` answers False: the replica opens none. A Ray laid out otherwise
+    is told in the log, naming the listener it may open."""
+    try:
+        from ray.serve._private import replica
+    except ImportError:  # pragma: no cover - a Ray without it
+        replica = None
+    if not callable(getattr(replica, "is_grpc_enabled", None)):
+        logger.warning("this Ray's direct ingress may open a gRPC server on every ingress replica (ports from "
+                       "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT, every interface) that pdserve cannot turn off: "
+                       "firewall those ports, or serve gRPC with --no-direct-ingress")
+        return
+    replica.is_grpc_enabled = _no_grpc
+
+
+def _no_grpc(*_args: Any, **_kwargs: Any) -> bool:
+    return False
 
 
 def _router_serving_state(cfg: ServeConfig):
@@ -118,6 +144,7 @@ def _router_serving_state(cfg: ServeConfig):
 
     from deployments.frontend.grpc_app import ServingState
 
+    serve_http_limits(cfg)  # this replica's own HTTP server (direct ingress) gets the limits too
     router = get_or_create_router(cfg)
     info = ray.get(router.wait_ready.remote(900.0), timeout=960.0)
     hub = StreamHub()

@@ -34,6 +34,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def listening_ports() -> set[int]:
+    """The ports of every TCP socket in LISTEN state in this network namespace (any process), from the
+    kernel's tables."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] == "0A":  # TCP_LISTEN
+                out.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return out
+
+
 def wait_for(get: Callable[[], T], until: Callable[[T], Any] = bool, *, timeout_s: float, interval_s: float = 0.1,
              what: str = "condition") -> T:
     """Call `get` every `interval_s` until `until(value)` holds, and return that value; an

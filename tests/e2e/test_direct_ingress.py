@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import socket
 import time
 import uuid
@@ -25,10 +26,10 @@ import ray
 from openai import OpenAI
 from ray import serve
 
-from deployments.app import NAMESPACE, ROUTER_NAME, build_app
+from deployments.app import NAMESPACE, ROUTER_NAME, build_app, build_grpc_app
 from deployments.config import ServeConfig, direct_ingress_env
 from engine import EngineConfig, LLMEngine, SamplingParams
-from helpers import free_port, local_serve, run_offline, wait_for, wait_no_leaks
+from helpers import free_port, listening_ports, local_serve, run_offline, wait_for, wait_no_leaks
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France?"
@@ -40,20 +41,51 @@ MAX_REQUEST_TOKENS = 4000
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    port, proxy_port = free_port(), free_port()
+def ports() -> dict[str, int]:
+    """The HTTP door's, Serve's proxy's, the gRPC proxy's (`--grpc-port`) and the first of the range
+    Ray's direct ingress would take replicas' own gRPC ports from (DI_GRPC_PORTS of them)."""
+    return {"http": free_port(), "proxy": free_port(), "grpc": free_port(), "di_grpc": _free_range(DI_GRPC_PORTS + 1)}
+
+
+DI_GRPC_PORTS = 8
+
+
+def _free_range(n: int) -> int:
+    """The first of `n` consecutive free ports below Linux's ephemeral range and above Ray's worker
+    ports (10002-19999), where nothing of this test's own would bind by chance."""
+    for base in random.Random().sample(range(20000, 32000, 16), 50):
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} free ports in a row")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, ports):
     keys = tmp_path_factory.mktemp("keys") / "api_keys.json"
     keys.write_text(json.dumps({"tenants": [{"name": "alice", "key": ALICE, "max_requests": 2},
                                             {"name": "bob", "key": BOB, "weight": 2}]}))
     # NOTE: Ray's processes read it at start: local_serve sets it before ray.init, restores it after.
-    env = direct_ingress_env(port, ServeConfig().direct_ingress_ports(), ServeConfig().ingress_drain_s)
-    with local_serve(3, http_port=proxy_port, env=env):
-        serve.run(build_app({"num_prefill_workers": 0, "num_decode_workers": 1, "kv_cache_memory_mb": 64,
-                             "max_num_seqs": 8, "api_key": SHARED_KEY, "api_keys_file": str(keys),
-                             "max_request_tokens": MAX_REQUEST_TOKENS, "http_header_timeout_s": HEADER_S,
-                             "http_keepalive_timeout_s": KEEPALIVE_S, "http_limit_concurrency": LIMIT}),
-                  name="pdserve", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    env = direct_ingress_env(ports["http"], ServeConfig().direct_ingress_ports(), ServeConfig().ingress_drain_s)
+    env.update(RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT=str(ports["di_grpc"]),
+               RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT=str(ports["di_grpc"] + DI_GRPC_PORTS))
+    settings = {"num_prefill_workers": 0, "num_decode_workers": 1, "kv_cache_memory_mb": 64, "max_num_seqs": 8,
+                "api_key": SHARED_KEY, "api_keys_file": str(keys), "max_request_tokens": MAX_REQUEST_TOKENS,
+                "http_header_timeout_s": HEADER_S, "http_keepalive_timeout_s": KEEPALIVE_S,
+                "http_limit_concurrency": LIMIT}
+    with local_serve(3, http_port=ports["proxy"], grpc_port=ports["grpc"], env=env):
+        serve.run(build_app(settings), name="pdserve", route_prefix="/")
+        serve.run(build_grpc_app(settings), name="pdserve-grpc", route_prefix="/pdserve-grpc")
+        yield f"http://127.0.0.1:{ports['http']}", ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
 
 
 def _auth(key: str) -> dict:
@@ -73,6 +105,33 @@ def test_replica_serves_the_port_and_matches_offline(server):
     body = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
                                           max_tokens=16, temperature=0)
     assert body.choices[0].message.content == want
+    wait_no_leaks(router)
+
+
+def test_grpc_goes_through_its_proxy_and_no_replica_opens_a_grpc_server_of_its_own(server, ports):
+    """With gRPC on, Serve's direct ingress would open a gRPC server in each ingress replica (every
+    interface, from RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT): pdserve's replicas open none, and
+    `pdserve.Generation` answers on the gRPC proxy's port, with the same keys as HTTP."""
+    import grpc
+
+    from deployments.frontend.grpc import pdserve_pb2, pdserve_pb2_grpc
+
+    url, router = server
+    req = pdserve_pb2.GenerateRequest(messages=[pdserve_pb2.ChatMessage(role="user", content=QUESTION)],
+                                      max_tokens=16, temperature=0)
+    with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        meta = (("application", "pdserve-grpc"),)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(req, metadata=meta, timeout=120))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        chunks = list(stub.Generate(req, metadata=(*meta, ("authorization", f"Bearer {SHARED_KEY}")), timeout=120))
+    body = httpx.post(f"{url}/v1/chat/completions", headers=_auth(SHARED_KEY), timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16, "temperature": 0})
+    assert "".join(c.text for c in chunks) == body.json()["choices"][0]["message"]["content"]
+    open_ports = listening_ports()
+    assert ports["grpc"] in open_ports and ports["http"] in open_ports
+    assert not open_ports & set(range(ports["di_grpc"], ports["di_grpc"] + DI_GRPC_PORTS + 1))
     wait_no_leaks(router)
 
 
