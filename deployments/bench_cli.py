@@ -70,11 +70,15 @@ def make_requests(cfg: BenchConfig) -> list[BenchRequest]:
 
 def arrival_offsets(cfg: BenchConfig) -> list[float]:
     """Send times (s after start): a Poisson process at `request_rate`, or all zero for inf. With phases,
-    each phase's process starts where the previous one's last arrival left off (one mean gap later)."""
+    each phase's process starts one random gap after the previous phase's last arrival: a gap of the
+    previous phase's rate, or of its own after a burst (an inf-rate phase, sent all at once), so a phase
+    never starts at the same instant as the burst before it."""
     if cfg.phases:
         rng = random.Random(cfg.seed + 1)
         t, out = 0.0, []
-        for ph in cfg.phases:
+        for k, ph in enumerate(cfg.phases):
+            if k and math.isinf(cfg.phases[k - 1].request_rate) and not math.isinf(ph.request_rate):
+                t += rng.expovariate(ph.request_rate)
             for _ in range(ph.num_prompts):
                 out.append(t)
                 if not math.isinf(ph.request_rate):
