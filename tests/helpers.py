@@ -10,6 +10,7 @@ load only inside the helpers that start them, so tests without them do not pay f
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
 import json
 import os
@@ -34,10 +35,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def listening_ports() -> set[int]:
-    """The ports of every TCP socket in LISTEN state in this network namespace (any process), from the
-    kernel's tables."""
-    out = set()
+def tcp_listeners() -> list[tuple[str, int, str]]:
+    """(address, port, socket inode) of every TCP socket in LISTEN state in this network namespace (any
+    process), from the kernel's tables."""
+    out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = open(table).read().splitlines()[1:]
@@ -45,9 +46,19 @@ def listening_ports() -> set[int]:
             continue
         for line in lines:
             cols = line.split()
-            if cols[3] == "0A":  # TCP_LISTEN
-                out.add(int(cols[1].rsplit(":", 1)[1], 16))
+            if cols[3] != "0A":  # TCP_LISTEN
+                continue
+            addr_hex, port_hex = cols[1].split(":")
+            raw = bytes.fromhex(addr_hex)
+            # the kernel prints each 32-bit word in host (little-endian) order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            out.append((str(ipaddress.ip_address(raw)), int(port_hex, 16), cols[9]))
     return out
+
+
+def listening_ports() -> set[int]:
+    """The ports of every TCP listener in this network namespace (`tcp_listeners`)."""
+    return {port for _, port, _ in tcp_listeners()}
 
 
 def wait_for(get: Callable[[], T], until: Callable[[T], Any] = bool, *, timeout_s: float, interval_s: float = 0.1,

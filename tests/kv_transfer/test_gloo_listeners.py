@@ -6,7 +6,6 @@ after it is closed. Transfers still work once the store is gone."""
 from __future__ import annotations
 
 import gc
-import ipaddress
 import os
 import threading
 import time
@@ -16,6 +15,7 @@ import torch
 
 from kv_transfer import KVTransferError
 from kv_transfer.gloo import JOINED_KEY, GlooTransport
+from helpers import tcp_listeners
 
 HOST = "127.0.0.1"
 
@@ -30,24 +30,7 @@ def _listeners() -> set[tuple[str, int]]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    out = set()
-    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
-        try:
-            lines = open(table).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            local, state, inode = cols[1], cols[3], cols[9]
-            if state != "0A" or inode not in inodes:
-                continue
-            addr_hex, port_hex = local.split(":")
-            raw = bytes.fromhex(addr_hex)
-            # the kernel prints each 32-bit word in host (little-endian) order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-            out.add((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
-            assert width  # both tables read
-    return out
+    return {(addr, port) for addr, port, inode in tcp_listeners() if inode in inodes}
 
 
 def _pair() -> tuple[GlooTransport, GlooTransport, int]:
