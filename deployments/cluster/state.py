@@ -105,15 +105,22 @@ class WorkerView:
         self.reserved_prefill_tokens += prefill_tokens
 
     def unreserve(self, need_blocks: int, taken: bool, prefill_tokens: int = 0) -> None:
-        """The admission `reserve` was made for has its answer; if `taken`, count its blocks as used
-        until the worker's next report."""
+        """The admission `reserve` was made for has its answer; if `taken`, count it (a sequence, its
+        blocks, its prompt still to compute) as running there until the worker's next report. A worker
+        that has not reported yet (it has not stepped since it started) counts from its empty cache:
+        without that picture every taken admission was forgotten, and a fresh worker was sent a whole
+        burst whatever its `max_num_seqs`."""
         self.reserved_blocks -= need_blocks
         self.reserved_seqs -= 1
         self.reserved_prefill_tokens -= prefill_tokens
-        if self.report is not None and taken:
-            self.report = replace(self.report, num_free_blocks=self.report.num_free_blocks - (need_blocks - 1),
-                                  num_running=self.report.num_running + 1,
-                                  prefill_backlog=self.report.prefill_backlog + prefill_tokens)
+        if not taken:
+            return
+        base = self.report
+        if base is None:
+            n = self.info.num_blocks if self.info is not None else 0
+            base = DecodeReport(self.worker_id, n, n, num_running=0, num_waiting=0)
+        self.report = replace(base, num_free_blocks=base.num_free_blocks - (need_blocks - 1),
+                              num_running=base.num_running + 1, prefill_backlog=base.prefill_backlog + prefill_tokens)
 
 
 @dataclass(slots=True)

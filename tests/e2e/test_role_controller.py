@@ -62,9 +62,11 @@ def test_the_controller_follows_a_shift_in_the_load_both_ways(ray_cluster, model
         d = next(d for d in _stats(router)["roles"]["decisions"] if d["to"] == "prefill")
         assert d["from"] == "decode" and "queued prompt tokens" in d["reason"]
 
+        # NOTE: long enough (12 x 400 tokens through 2 slots: seconds) to outlast the dwell since the first
+        # switch and the hold on a fast host; 120 tokens each were done in 1.8 s, before the dwell ran out.
         short = [[1 + (i * 5 + j) % 4000 for j in range(4)] for i in range(12)]
         seen: list[float] = []
-        out = generate_via_router(router, short, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True),
+        out = generate_via_router(router, short, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True),
                                   _until_switch_to(router, "decode", seen), tag="g")
-        assert all(len(o) == 120 for o in out) and seen, seen
+        assert all(len(o) == 400 for o in out) and seen, seen
         wait_no_leaks(router)

@@ -3,7 +3,7 @@ and what an abort frees, checked on worker views with exact queue lengths, reser
 
 from __future__ import annotations
 
-from conftest import BS, Parts, kv_handle
+from conftest import BS, NUM_BLOCKS, Parts, kv_handle
 
 from deployments.cluster.actions import AbortOn, AdmitKV, BackupTarget, ReleaseKV, RunWhole, ToPrefill
 from deployments.cluster.messages import DecodeReport, ModelInfo, Role, WorkerInfo
@@ -29,6 +29,28 @@ def test_a_decode_workers_room_counts_its_report_and_the_admissions_under_way():
     assert (w.report.num_free_blocks, w.report.num_running, w.report.prefill_backlog) == (25, 6, 110)
     w.draining = True
     assert not w.has_room(1, 8)
+
+
+def test_a_decode_worker_that_has_not_reported_yet_gets_no_more_than_its_slots():
+    """A fresh worker (no step, so no report yet) answered a burst's admissions: each taken one counts
+    until its first report, so the rest of the burst waits for a slot (it used to be sent them all)."""
+    parts = Parts(("p0", "d0"), prefix_aware_routing=False, max_num_seqs=2)
+    d0 = parts.w("d0")
+    burst = [parts.submit(f"r{i}", 16) for i in range(5)]
+    admitted = []
+    for t in burst:
+        parts.placement.place_prefill(t, allow_local=False)
+        for a in parts.placement.prefilled("p0", t.req.request_id, kv_handle("p0", t.req.request_id, 16)):
+            assert isinstance(a, AdmitKV) and a.worker is d0
+            d0.unreserve(a.need, taken=True)  # its answer: pulled and running there
+            a.tracked.stage = Stage.DECODE
+            admitted.append(a.tracked.req.request_id)
+    assert admitted == ["r0", "r1"] and parts.state.pending_decode == ["r2", "r3", "r4"]
+    assert d0.report.num_running == 2 and d0.free_capacity(2)[1] == 0
+    assert d0.report.num_free_blocks == NUM_BLOCKS - 2 * (blocks_to_admit(16, BS) - 1)
+    # Its first report, one sequence finished: one slot, filled from the queue.
+    report = parts.report("d0", free=NUM_BLOCKS - 2, running=1, finished=("r0",))
+    assert [a.tracked.req.request_id for a in parts.placement.reported(report)] == ["r2"]
 
 
 # ---------------------------------------------------------------------------------------------- prefill
