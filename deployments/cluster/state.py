@@ -82,13 +82,19 @@ class WorkerView:
         """Draining, or changing role: it takes no new work of its role and hands on what it can."""
         return self.draining or self.switching_to is not None
 
+    def picture(self) -> DecodeReport:
+        """Decode: its last report, or, before its first (it has not stepped since it started), its
+        empty cache."""
+        if self.report is not None:
+            return self.report
+        n = self.info.num_blocks if self.info is not None else 0
+        return DecodeReport(self.worker_id, n, n, num_running=0, num_waiting=0)
+
     def free_capacity(self, max_num_seqs: int) -> tuple[int, int]:
         """Decode: (free KV blocks, free sequence slots), less what admissions under way reserved."""
-        if self.report is None:
-            blocks, running = (self.info.num_blocks if self.info else 0), 0
-        else:
-            blocks, running = self.report.num_free_blocks, self.report.num_running + self.report.num_waiting
-        return blocks - self.reserved_blocks, max_num_seqs - running - self.reserved_seqs
+        r = self.picture()
+        running = r.num_running + r.num_waiting
+        return r.num_free_blocks - self.reserved_blocks, max_num_seqs - running - self.reserved_seqs
 
     def has_room(self, need_blocks: int, max_num_seqs: int) -> bool:
         """Decode: takes work and has a sequence slot and `need_blocks` free blocks."""
@@ -97,7 +103,7 @@ class WorkerView:
 
     def prefill_backlog(self) -> int:
         """Decode: prompt tokens it has yet to compute (local prefills, moved sequences)."""
-        return (self.report.prefill_backlog if self.report is not None else 0) + self.reserved_prefill_tokens
+        return self.picture().prefill_backlog + self.reserved_prefill_tokens
 
     def reserve(self, need_blocks: int, prefill_tokens: int = 0) -> None:
         self.reserved_blocks += need_blocks
@@ -106,21 +112,16 @@ class WorkerView:
 
     def unreserve(self, need_blocks: int, taken: bool, prefill_tokens: int = 0) -> None:
         """The admission `reserve` was made for has its answer; if `taken`, count it (a sequence, its
-        blocks, its prompt still to compute) as running there until the worker's next report. A worker
-        that has not reported yet (it has not stepped since it started) counts from its empty cache:
-        without that picture every taken admission was forgotten, and a fresh worker was sent a whole
-        burst whatever its `max_num_seqs`."""
+        blocks, its prompt still to compute) as running there until the worker's next report, on top of
+        its `picture` (also before its first report: counted on nothing, every taken admission was
+        forgotten, and a fresh worker was sent a whole burst whatever its `max_num_seqs`)."""
         self.reserved_blocks -= need_blocks
         self.reserved_seqs -= 1
         self.reserved_prefill_tokens -= prefill_tokens
-        if not taken:
-            return
-        base = self.report
-        if base is None:
-            n = self.info.num_blocks if self.info is not None else 0
-            base = DecodeReport(self.worker_id, n, n, num_running=0, num_waiting=0)
-        self.report = replace(base, num_free_blocks=base.num_free_blocks - (need_blocks - 1),
-                              num_running=base.num_running + 1, prefill_backlog=base.prefill_backlog + prefill_tokens)
+        if taken:
+            r = self.picture()
+            self.report = replace(r, num_free_blocks=r.num_free_blocks - (need_blocks - 1),
+                                  num_running=r.num_running + 1, prefill_backlog=r.prefill_backlog + prefill_tokens)
 
 
 @dataclass(slots=True)
