@@ -171,7 +171,8 @@ class Placement:
     def abort(self, request_id: str) -> list[Action]:
         """The client went away: forget `request_id` and free what it holds."""
         t = self.state.tracked.pop(request_id, None)
-        if t is None:
+        if t is None:  # ended already, or its submit is still on its way: that one is dropped
+            self.state.early_aborts.add(request_id)
             return []
         self.state.counters.aborted += 1
         if t.stage is Stage.PREFILL:

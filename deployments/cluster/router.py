@@ -212,6 +212,9 @@ class Router(RouterCalls):
     async def submit(self, req: GenRequest) -> SubmitResult:
         """Queue `req`; refused when the queue is full (the caller answers 429)."""
         s = self.state
+        if s.early_aborts.take(req.request_id):  # its client left, and said so before this arrived
+            s.counters.aborted += 1
+            return SubmitResult(False, 0.0, "aborted by its client before it arrived")
         if s.num_queued() >= self.config.max_queued_requests:
             s.counters.rejected += 1
             metrics.count_rejected()

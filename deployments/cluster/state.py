@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -151,6 +151,32 @@ class Counters:
     role_switches: int = 0  # begun (`--role-switching`)
 
 
+class EarlyAborts:
+    """Request ids whose abort reached the router before their `submit` did: Ray does not keep one
+    caller's calls to an async actor in order, so a client that leaves while its submit is on the way
+    can be heard leaving first. The submit that follows is dropped (`Router.submit`). An id is kept
+    `ttl_s`, and at most `max_ids` of them (ids are unique per request, so an id of a request that
+    ended long ago, which any late abort may leave here, is never submitted again)."""
+
+    def __init__(self, ttl_s: float = 60.0, max_ids: int = 65536):
+        self.ttl_s, self.max_ids = ttl_s, max_ids
+        self._ids: OrderedDict[str, float] = OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._ids[request_id] = now
+        self._ids.move_to_end(request_id)
+        while self._ids and (len(self._ids) > self.max_ids or now - next(iter(self._ids.values())) > self.ttl_s):
+            self._ids.popitem(last=False)
+
+    def take(self, request_id: str) -> bool:
+        """Whether `request_id` was aborted before it arrived (and forget that it was)."""
+        return self._ids.pop(request_id, None) is not None
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class MoveRecord(NamedTuple):
     """Where one sequence of a dead decode worker went (`Placement.place_moved`)."""
 
@@ -193,6 +219,7 @@ class RouterState:
     tracked: dict[str, Tracked] = field(default_factory=dict)
     pending_decode: list[str] = field(default_factory=list)  # request ids waiting for a decode slot
     unplaced: list[str] = field(default_factory=list)  # request ids waiting for a prefill worker
+    early_aborts: EarlyAborts = field(default_factory=EarlyAborts)
     counters: Counters = field(default_factory=Counters)
     moves: deque[MoveRecord] = field(default_factory=lambda: deque(maxlen=100))
     latencies: Latencies = field(default_factory=Latencies)

@@ -40,8 +40,9 @@ class RouterBackend:
             res: SubmitResult = await self.router.submit.remote(req)
         except BaseException:  # the client left (cancelled) or the router failed during the submit
             self.hub.close(req.request_id)
-            # NOTE: the submit may have reached the router (and been queued) all the same: this abort
-            # reaches it after the submit (one caller's calls to an async actor start in order).
+            # NOTE: the submit may have reached the router (and been queued) all the same. Ray may run
+            # this abort before it (an async actor's calls need not start in order): the router then
+            # keeps the id and drops the submit when it arrives (`EarlyAborts`).
             self.router.abort.remote(req.request_id)
             raise
         if not res.accepted:

@@ -129,6 +129,26 @@ def test_a_client_gone_during_submit_aborts_its_request(cluster):
     assert _orphans(router) == before  # the abort did it
 
 
+def test_an_abort_heard_before_its_submit_drops_that_submit(cluster):
+    """Ray need not start one caller's calls to an async actor in order: a client that leaves while its
+    submit is on the way can be heard leaving first. The router keeps the id, and the submit that
+    follows is dropped: nothing is queued, run or left to the workers' orphan sweep."""
+    router, _ = cluster
+    before = _orphans(router)
+    counters = ray.get(router.stats.remote(), timeout=30)["counters"]
+    ray.get(router.abort.remote("heard-first"), timeout=30)
+    req = GenRequest("heard-first", [5, 6, 7, 8], SamplingParams(max_tokens=1000, ignore_eos=True), "hub-refusals",
+                     None, num_original_prompt_tokens=4)
+    res = ray.get(router.submit.remote(req), timeout=30)
+    assert not res.accepted and "aborted" in res.reason
+    stats = ray.get(router.stats.remote(), timeout=30)
+    assert stats["num_tracked"] == 0
+    assert stats["counters"]["submitted"] == counters["submitted"]
+    assert stats["counters"]["aborted"] == counters["aborted"] + 1
+    wait_no_leaks(router, timeout_s=20)
+    assert _orphans(router) == before
+
+
 def test_a_lone_busy_worker_steps_on_the_idle_pools_core_too(cluster):
     """1 prefill + 1 decode worker of one thread each on 2 Ray CPUs (`share_node_cores`): a lone
     request is prefilled while the decode pool idles and decoded while the prefill pool idles, and

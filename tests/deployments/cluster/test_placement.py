@@ -208,3 +208,26 @@ def test_a_finished_prefill_leaves_its_workers_queue(parts):
     parts.placement.finished("p0", "r")
     assert "r" not in parts.state.tracked and parts.w("p0").queued_prompt_tokens == 0
     assert parts.state.counters.finished == 1
+
+
+def test_an_abort_of_an_untracked_request_is_kept_a_while_for_its_submit(monkeypatch):
+    """An abort heard before its submit (Ray may reorder one caller's calls to the router) leaves the
+    id for the submit to find; ids go after `ttl_s`, and at most `max_ids` are kept."""
+    parts = Parts()
+    assert parts.placement.abort("early") == []
+    assert parts.state.early_aborts.take("early") and not parts.state.early_aborts.take("early")
+    t = parts.submit("tracked", 16)
+    parts.placement.place_prefill(t)
+    parts.placement.abort("tracked")
+    assert not parts.state.early_aborts.take("tracked")  # it was tracked: its abort did the work
+
+    from deployments.cluster.state import EarlyAborts
+    now = [1000.0]
+    monkeypatch.setattr("deployments.cluster.state.time.monotonic", lambda: now[0])
+    marks = EarlyAborts(ttl_s=60.0, max_ids=3)
+    for rid in "abcd":
+        marks.add(rid)
+    assert len(marks) == 3 and not marks.take("a")  # the oldest went
+    now[0] += 61.0
+    marks.add("e")
+    assert len(marks) == 1 and marks.take("e")
