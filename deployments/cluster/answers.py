@@ -40,6 +40,7 @@ class Outcome(enum.Enum):
 class Answer(NamedTuple):
     outcome: Outcome
     reason: str = ""
+    report_seq: int = 0  # accepted: `Admission.report_seq`
 
     @property
     def accepted(self) -> bool:
@@ -50,7 +51,7 @@ def classify(result: Admission | BaseException) -> Answer:
     """What an `admit` / `resume` call came back with (its result, or what awaiting it raised)."""
     if isinstance(result, Admission):
         if result.accepted:
-            return Answer(Outcome.ACCEPTED)
+            return Answer(Outcome.ACCEPTED, report_seq=result.report_seq)
         return Answer(Outcome.RETRY if result.retry else Outcome.REFUSED, result.reason)
     if isinstance(result, asyncio.TimeoutError):
         return Answer(Outcome.GAVE_UP, "no answer in time")

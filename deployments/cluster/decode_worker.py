@@ -65,6 +65,7 @@ class DecodeSide(KVExportMixin, EngineWorker):
         self._reported = (0.0, -1, -1)  # (when, running, waiting) of the last report sent
         self._pairs_reported = 0  # the version of its KV pairs' book the router last got
         self._since_report = (0, 0)  # (largest batch, preemptions) of the steps not reported yet
+        self._num_reports = 0  # reports taken (`report`); an admission answers with it (`_taken`)
 
     def _fail_all(self, message: str, only: list[str] | None = None) -> None:
         with self.lock:  # their requests end here
@@ -112,7 +113,7 @@ class DecodeSide(KVExportMixin, EngineWorker):
         with self.lock:
             if self._aborted.take(req) or ray.get_runtime_context().is_canceled():  # the router gave up on it
                 self.lending.free_blocks(block_ids)
-                return Admission(True)
+                return self._taken()
             try:
                 self.lending.add_prefilled_request(req.request_id, req.prompt_token_ids, [handle.first_token],
                                                   req.params, block_ids, handle.num_tokens, priority=req.priority,
@@ -123,8 +124,9 @@ class DecodeSide(KVExportMixin, EngineWorker):
                 return Admission(False, refusal_text(exc))
             self.requests[req.request_id] = req
             self.traces.begin("decode", req, {"prompt_tokens": len(req.prompt_token_ids)})
+            ans = self._taken()
         self.host.wake()
-        return Admission(True)
+        return ans
 
     def resume(self, req: GenRequest, backup: BackupTo | None = None, fetch: FetchFrom | None = None) -> Admission:
         """Run `req` whole here: prefill included, as chunks mixed into this worker's running batch.
@@ -148,7 +150,7 @@ class DecodeSide(KVExportMixin, EngineWorker):
                 bs = self.engine.block_manager.block_size
                 self.lending.cache_blocks(req.prompt_token_ids[:len(fetched) * bs], fetched, cache_salt=req.cache_salt)
             if self._aborted.take(req) or ray.get_runtime_context().is_canceled():  # while its prefix came
-                return Admission(True)
+                return self._taken()
             try:
                 self.engine.add_request(req.request_id, req.prompt_token_ids, req.params, priority=req.priority,
                                         arrival_time=engine_arrival(req), urgent=req.offset > 0,
@@ -166,8 +168,14 @@ class DecodeSide(KVExportMixin, EngineWorker):
                 self.traces.begin("decode", req, {"prompt_tokens": len(req.prompt_token_ids), "offset": req.offset})
             if backup is not None:
                 self._backups[req.request_id] = backup
+            ans = self._taken()
         self.host.wake()
-        return Admission(True)
+        return ans
+
+    def _taken(self) -> Admission:
+        """The answer to an admission taken (or dropped: aborted on its way) just now, under the lock:
+        the reports taken from now on count it, the ones before do not (`DecodeReport.seq`)."""
+        return Admission(True, report_seq=self._num_reports)
 
     def _fetch_prefix(self, req: GenRequest, src: FetchFrom) -> list[int]:
         """Pull the cached prefix of `req`'s prompt from prefill worker `src` into new blocks here;
@@ -266,11 +274,15 @@ class DecodeSide(KVExportMixin, EngineWorker):
         return _Backup(target, handle, req.request_id, req.prompt_token_ids[:end], req.cache_salt)
 
     def report(self) -> DecodeReport:
+        """What the router needs for admission, now; numbered (`seq`), so that the router can tell
+        which admissions it counts and skip one that arrives after a newer one."""
         with self.lock:
             bm = self.engine.block_manager
+            self._num_reports += 1
             return DecodeReport(self.worker_id, bm.num_free_blocks, bm.num_blocks, self.engine.num_running,
                                 self.engine.num_waiting, prefill_backlog=self.engine.prefill_backlog,
-                                spec=self.engine.spec_stats() if self.engine.speculator is not None else None)
+                                spec=self.engine.spec_stats() if self.engine.speculator is not None else None,
+                                seq=self._num_reports)
 
     def _after_step(self, outs: list[RequestOutput], stats) -> None:
         events, reqs, finished, backups = [], [], [], []

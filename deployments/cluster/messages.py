@@ -107,6 +107,9 @@ class DecodeReport:
     prefill_backlog: int = 0  # prompt tokens still to compute here (local prefills, moved sequences)
     spec: SpecStats | None = None  # speculative decoding's counters since the worker started (for /health)
     num_steps: int = 0  # steps the worker has run
+    # its reports' count (1, 2, ...): it covers every admission whose `Admission.report_seq` is below
+    # it. Reports may arrive out of order: one older than the router's is not counted. 0: not counted.
+    seq: int = 0
     # its KV pairs (kv_transfer/pair_stats.py: `PairBook.snapshot()`), only when they changed since the
     # previous report; None: unchanged
     kv_pairs: dict[str, dict] | None = None
@@ -167,6 +170,7 @@ class Admission(NamedTuple):
     accepted: bool
     reason: str = ""
     retry: bool = False  # refused for a reason of the moment (a failed KV pull): placing it again may work
+    report_seq: int = 0  # taken: the worker's reports so far (`DecodeReport.seq`); later ones count it
 
 
 class BackupTo(NamedTuple):

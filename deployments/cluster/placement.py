@@ -196,7 +196,7 @@ class Placement:
         w = self.state.worker(report.worker_id)
         if w is None:
             return []
-        w.report = report
+        w.take_report(report)  # its counts, unless a newer report came first (its finished ids count)
         if report.kv_pairs is not None:
             w.kv_pairs = report.kv_pairs
         w.num_steps = max(w.num_steps + 1, report.num_steps)

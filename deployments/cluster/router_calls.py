@@ -78,7 +78,7 @@ class RouterCalls:
     async def _admitted(self, a: AdmitKV, ref: Any) -> None:
         t, w = a.tracked, a.worker
         ans = await await_answer(ref, self.actors.get(w.worker_id), t.req, self._answer_timeout_s())
-        w.unreserve(a.need, ans.accepted)
+        w.unreserve(a.need, ans.accepted, report_seq=ans.report_seq)
         if self._admitting(t, w):
             await self._answered(t, w, ans, Requeue.RETRY)
         self._do(self.placement.admit())
@@ -86,7 +86,7 @@ class RouterCalls:
     async def _resumed(self, a: RunWhole, ref: Any) -> None:
         t, w = a.tracked, a.worker
         ans = await await_answer(ref, self.actors.get(w.worker_id), t.req, self._answer_timeout_s())
-        w.unreserve(a.need, ans.accepted, a.own)
+        w.unreserve(a.need, ans.accepted, a.own, ans.report_seq)
         if self._admitting(t, w):
             await self._answered(t, w, ans, Requeue.MIGRATION)
         self._do(self.placement.admit())

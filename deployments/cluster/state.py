@@ -48,6 +48,14 @@ class Tracked:
     adding: bool = False  # its prefill worker's `add` is sent and not yet answered
 
 
+class Taken(NamedTuple):
+    """An admission a decode worker took that its reports do not count yet (`WorkerView.taken`)."""
+
+    report_seq: int  # the worker's reports when it took it: the ones numbered above count it
+    blocks: int
+    prefill_tokens: int
+
+
 @dataclass(slots=True)
 class WorkerView:
     """The router's picture of one worker (its Ray handle is the actor's, by `worker_id`)."""
@@ -64,6 +72,7 @@ class WorkerView:
     reserved_blocks: int = 0  # decode: blocks promised to admissions not yet in a report
     reserved_seqs: int = 0
     reserved_prefill_tokens: int = 0  # decode: prompt tokens handed over to run here, not yet reported
+    taken: list[Taken] = field(default_factory=list)  # decode: admissions taken that no report counts yet
     max_batch_seen: int = 0
     num_steps: int = 0
     kv_pairs: dict[str, dict] = field(default_factory=dict)  # decode: its KV pairs, as last reported
@@ -83,12 +92,18 @@ class WorkerView:
         return self.draining or self.switching_to is not None
 
     def picture(self) -> DecodeReport:
-        """Decode: its last report, or, before its first (it has not stepped since it started), its
-        empty cache."""
-        if self.report is not None:
-            return self.report
-        n = self.info.num_blocks if self.info is not None else 0
-        return DecodeReport(self.worker_id, n, n, num_running=0, num_waiting=0)
+        """Decode: its last report (or, before its first, since it started, its empty cache) with the
+        admissions it took since (`taken`) counted on top: each a sequence, its blocks, its prompt to
+        compute (the report's own, with no admission since)."""
+        r = self.report
+        if r is None:
+            n = self.info.num_blocks if self.info is not None else 0
+            r = DecodeReport(self.worker_id, n, n, num_running=0, num_waiting=0)
+        if not self.taken:
+            return r
+        return replace(r, num_free_blocks=r.num_free_blocks - sum(t.blocks for t in self.taken),
+                       num_running=r.num_running + len(self.taken),
+                       prefill_backlog=r.prefill_backlog + sum(t.prefill_tokens for t in self.taken))
 
     def free_capacity(self, max_num_seqs: int) -> tuple[int, int]:
         """Decode: (free KV blocks, free sequence slots), less what admissions under way reserved."""
@@ -110,18 +125,28 @@ class WorkerView:
         self.reserved_seqs += 1
         self.reserved_prefill_tokens += prefill_tokens
 
-    def unreserve(self, need_blocks: int, taken: bool, prefill_tokens: int = 0) -> None:
-        """The admission `reserve` was made for has its answer; if `taken`, count it (a sequence, its
-        blocks, its prompt still to compute) as running there until the worker's next report, on top of
-        its `picture` (also before its first report: counted on nothing, every taken admission was
-        forgotten, and a fresh worker was sent a whole burst whatever its `max_num_seqs`)."""
+    def unreserve(self, need_blocks: int, taken: bool, prefill_tokens: int = 0, report_seq: int = 0) -> None:
+        """The admission `reserve` was made for has its answer. If `taken`, it counts (`picture`) until
+        a report that covers it arrives: one numbered above `report_seq`, the worker's count of reports
+        when it took it. (Counted on the last report instead, it was lost to a report taken before the
+        admission but delivered after its answer; before the worker's first report, to nothing, and a
+        fresh worker was sent a whole burst whatever its `max_num_seqs`.)"""
         self.reserved_blocks -= need_blocks
         self.reserved_seqs -= 1
         self.reserved_prefill_tokens -= prefill_tokens
         if taken:
-            r = self.picture()
-            self.report = replace(r, num_free_blocks=r.num_free_blocks - (need_blocks - 1),
-                                  num_running=r.num_running + 1, prefill_backlog=r.prefill_backlog + prefill_tokens)
+            # NOTE: an admission's first block is the prompt's last, partly filled one the worker adds to
+            self.taken.append(Taken(report_seq, need_blocks - 1, prefill_tokens))
+
+    def take_report(self, report: DecodeReport) -> bool:
+        """A decode report: its counts replace the last report's, and the admissions it covers are no
+        longer counted on top. False (counts unused) when a newer report arrived first."""
+        if report.seq and self.report is not None and report.seq <= self.report.seq:
+            return False
+        self.report = report
+        # NOTE: an unnumbered report (seq 0: a worker of an older version, tests) covers them all
+        self.taken = [t for t in self.taken if report.seq and t.report_seq >= report.seq]
+        return True
 
 
 @dataclass(slots=True)

@@ -19,9 +19,9 @@ from deployments.cluster.state import Stage
 
 
 def test_answers_are_classified_by_what_the_request_can_do_next():
-    assert classify(Admission(True)).outcome is Outcome.ACCEPTED
+    assert classify(Admission(True, report_seq=7)) == (Outcome.ACCEPTED, "", 7)
     # the engine refused it: nowhere else would take it either
-    assert classify(Admission(False, "prompt: too long")) == (Outcome.REFUSED, "prompt: too long")
+    assert classify(Admission(False, "prompt: too long")) == (Outcome.REFUSED, "prompt: too long", 0)
     # a KV pull failed: prefilling it again may work
     assert classify(Admission(False, "KV pull failed", retry=True)).outcome is Outcome.RETRY
     assert classify(asyncio.TimeoutError()).outcome is Outcome.GAVE_UP

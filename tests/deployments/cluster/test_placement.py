@@ -26,7 +26,8 @@ def test_a_decode_workers_room_counts_its_report_and_the_admissions_under_way():
     assert w.has_room(24, 8) and not w.has_room(25, 8)
     w.unreserve(6, taken=True, prefill_tokens=70)  # until its next report, counted as running there
     assert (w.reserved_blocks, w.reserved_seqs, w.reserved_prefill_tokens) == (0, 0, 0)
-    assert (w.report.num_free_blocks, w.report.num_running, w.report.prefill_backlog) == (25, 6, 110)
+    pic = w.picture()
+    assert (pic.num_free_blocks, pic.num_running, pic.prefill_backlog) == (25, 6, 110)
     w.draining = True
     assert not w.has_room(1, 8)
 
@@ -46,11 +47,48 @@ def test_a_decode_worker_that_has_not_reported_yet_gets_no_more_than_its_slots()
             a.tracked.stage = Stage.DECODE
             admitted.append(a.tracked.req.request_id)
     assert admitted == ["r0", "r1"] and parts.state.pending_decode == ["r2", "r3", "r4"]
-    assert d0.report.num_running == 2 and d0.free_capacity(2)[1] == 0
-    assert d0.report.num_free_blocks == NUM_BLOCKS - 2 * (blocks_to_admit(16, BS) - 1)
+    assert d0.report is None and d0.picture().num_running == 2 and d0.free_capacity(2)[1] == 0
+    assert d0.picture().num_free_blocks == NUM_BLOCKS - 2 * (blocks_to_admit(16, BS) - 1)
     # Its first report, one sequence finished: one slot, filled from the queue.
     report = parts.report("d0", free=NUM_BLOCKS - 2, running=1, finished=("r0",))
     assert [a.tracked.req.request_id for a in parts.placement.reported(report)] == ["r2"]
+
+
+
+def test_a_report_taken_before_an_admission_but_heard_after_its_answer_still_counts_it():
+    """Reports are numbered, and an admission's answer says how many the worker had taken: a report
+    older than the admission (sent before it, heard after its answer) leaves it counted; the first
+    report taken after it replaces the count; a report heard after a newer one is not counted at all
+    (its finished sequences are)."""
+    parts = Parts(("p0", "d0"), prefix_aware_routing=False, max_num_seqs=2)
+    d0 = parts.w("d0")
+
+    def report(seq: int, running: int, finished: tuple[str, ...] = ()) -> DecodeReport:
+        r = parts.report("d0", free=NUM_BLOCKS - 2 * running, running=running, finished=finished)
+        r.seq = seq
+        return r
+
+    assert parts.placement.reported(report(1, 0)) == []
+    burst = [parts.submit(f"r{i}", 16) for i in range(3)]
+    for t in burst:
+        parts.placement.place_prefill(t, allow_local=False)
+    admits = [a for t in burst for a in parts.placement.prefilled("p0", t.req.request_id,
+                                                                   kv_handle("p0", t.req.request_id, 16))]
+    assert [a.tracked.req.request_id for a in admits] == ["r0", "r1"] and parts.state.pending_decode == ["r2"]
+    for a in admits:  # taken after the worker's report 2 (not sent yet): reports from 3 on count them
+        d0.unreserve(a.need, taken=True, report_seq=2)
+        a.tracked.stage = Stage.DECODE
+    assert parts.placement.reported(report(2, 0)) == []  # older than both: they still hold the slots
+    assert d0.free_capacity(2)[1] == 0 and d0.picture().num_running == 2
+    assert parts.placement.reported(report(3, 2)) == []  # counts them itself now: still full, not 4
+    assert d0.taken == [] and d0.free_capacity(2)[1] == 0
+    # Report 5 (r0 finished) is heard before report 4: the slot is filled, and report 4, heard late, is
+    # not counted (it would have freed r0's slot a second time); its finished ids would still be.
+    [a] = parts.placement.reported(report(5, 1, finished=("r0",)))
+    assert a.tracked.req.request_id == "r2"
+    d0.unreserve(a.need, taken=True, report_seq=5)
+    assert parts.placement.reported(report(4, 0)) == []
+    assert d0.report.seq == 5 and d0.free_capacity(2)[1] == 0
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -124,7 +162,7 @@ def test_prefilled_sequences_go_to_the_decode_worker_with_the_most_free_blocks()
     assert parts.w("p0").queued_prompt_tokens == 0 and parts.state.pending_decode == []
     assert (d1.reserved_blocks, d1.reserved_seqs, parts.state.counters.admitted) == (5, 1, 1)
     d1.unreserve(5, taken=True)
-    assert (d1.reserved_blocks, d1.report.num_free_blocks, d1.report.num_running) == (0, 46, 1)
+    assert (d1.reserved_blocks, d1.picture().num_free_blocks, d1.picture().num_running) == (0, 46, 1)
     assert d0.reserved_blocks == 0
 
 
