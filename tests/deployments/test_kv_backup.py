@@ -19,7 +19,7 @@ import ray
 from deployments.config import ServeConfig
 from deployments.cluster.decode_worker import DecodeWorker
 from deployments.frontend.stream_hub import StreamHub
-from deployments.cluster.messages import Admission, BackupTo, FetchFrom, GenRequest
+from deployments.cluster.messages import BackupTo, FetchFrom, GenRequest
 from deployments.cluster.prefill_worker import PrefillWorker
 from engine import EngineConfig, LLMEngine, SamplingParams
 from helpers import local_ray, run_offline, wait_for
@@ -41,6 +41,7 @@ class FakeRouter:
 
     def report_decode(self, report):
         self._add("report_decode", report.finished_ids)
+        self._add("report_load", report.seq, report.num_running + report.num_waiting)
 
     def on_prefilled(self, worker_id, request_id, handle):
         self._add("on_prefilled", request_id, handle)
@@ -117,7 +118,7 @@ def test_local_prefill_is_copied_to_the_prefill_cache(workers, first_block):
         assert ray.get(prefill.kv_release.remote(head, handle.epoch), timeout=30)
     req = GenRequest(rid, prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), "hub", hub.address,
                      num_original_prompt_tokens=len(prompt), arrival_time=time.time())
-    assert ray.get(decode.resume.remote(req, BackupTo("p0", prefill, first_block)), timeout=30) == Admission(True)
+    assert ray.get(decode.resume.remote(req, BackupTo("p0", prefill, first_block)), timeout=30).accepted
     got = _wait(lambda: [c for c in ray.get(router.get.remote("on_kv_backup")) if c[1] == rid])
     assert got == [("p0", rid, 5 * BS, (5 - first_block) * BS)]
     toks = _wait(lambda: (t := hub.tokens(rid)[0]) and len(t) == 12 and t)
@@ -154,7 +155,7 @@ def test_moved_sequence_fetches_its_cached_prefix(workers, survivor):
     moved = GenRequest("fetched", prompt + want[:6], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
                        "hub", hub.address, offset=6, num_original_prompt_tokens=len(prompt), arrival_time=time.time(),
                        attempt=1)
-    assert ray.get(survivor.resume.remote(moved, None, FetchFrom("p0", prefill, 5 * BS)), timeout=60) == Admission(True)
+    assert ray.get(survivor.resume.remote(moved, None, FetchFrom("p0", prefill, 5 * BS)), timeout=60).accepted
     toks = _wait(lambda: (t := hub.tokens("fetched")[0]) and len(t) == 6 and t)
     assert toks == want[6:]
     _, events = hub.tokens("fetched")
@@ -168,7 +169,7 @@ def test_moved_sequence_fetches_its_cached_prefix(workers, survivor):
     moved2 = GenRequest("not-cached", other, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), "hub",
                         hub.address, num_original_prompt_tokens=len(other), arrival_time=time.time(), attempt=1)
     fetch = FetchFrom("p0", prefill, 3 * BS)
-    assert ray.get(survivor.resume.remote(moved2, None, fetch), timeout=60) == Admission(True)
+    assert ray.get(survivor.resume.remote(moved2, None, fetch), timeout=60).accepted
     assert _wait(lambda: (t := hub.tokens("not-cached")[0]) and len(t) == 4 and t) == want2
     assert ray.get(survivor.kv_stats.remote(), timeout=30)["prefix_fetches"] == 1
 
@@ -211,11 +212,13 @@ def test_decode_reports_follow_changes_not_steps(workers):
 
     router, hub, _, decode = workers
     before = len(ray.get(router.get.remote("report_decode")))
+    before_loads = len(ray.get(router.get.remote("report_load")))
     steps0 = ray.get(decode.check_integrity.remote(), timeout=30)["num_steps"]
     req = GenRequest("reports", list(range(300, 340)), SamplingParams(max_tokens=60, temperature=0, ignore_eos=True),
                      "hub", hub.address, num_original_prompt_tokens=40, arrival_time=time.time())
     t0 = time.monotonic()
-    assert ray.get(decode.resume.remote(req), timeout=30) == Admission(True)
+    ans = ray.get(decode.resume.remote(req), timeout=30)
+    assert ans.accepted
     _wait(lambda: (t := hub.tokens("reports")[0]) and len(t) == 60)
     elapsed = time.monotonic() - t0
     reports = _wait(lambda: [r for r in ray.get(router.get.remote("report_decode"))[before:] if "reports" in r[0]]
@@ -225,6 +228,16 @@ def test_decode_reports_follow_changes_not_steps(workers):
     # Joining, starting to decode and finishing are news; the rest is one report per interval.
     assert len(reports) <= 4 + elapsed / REPORT_EVERY_S < steps, (len(reports), steps, elapsed)
     assert [r for r in reports if "reports" in r[0]] == [(["reports"],)]
+    # Numbered: the reports taken after the admission count it until the one that says it finished; the
+    # ones before it (the worker idle) do not.
+    loads = ray.get(router.get.remote("report_load"))[before_loads:]
+    seqs = [seq for seq, _ in loads]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs) and min(seqs) >= 1
+    finish = next(seq for (seq, _), (ids,) in zip(loads, ray.get(router.get.remote("report_decode"))[before:])
+                  if "reports" in ids)
+    assert [n for seq, n in loads if seq <= ans.report_seq] == [0] * sum(seq <= ans.report_seq for seq in seqs)
+    during = [n for seq, n in loads if ans.report_seq < seq < finish]
+    assert during and all(n == 1 for n in during)
 
 
 def test_an_abort_that_overtakes_its_add_drops_that_attempt(workers):
