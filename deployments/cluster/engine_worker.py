@@ -26,6 +26,7 @@ from deployments.cluster.traces import WorkerTraces
 from deployments.cluster.core_share import CoreShare, node_cores, share_dir
 from deployments.cluster.kv_endpoint import KVExporter, KVImporter
 from deployments.cluster.messages import GenRequest, ModelInfo, Role, StreamEvent, WorkerInfo
+from deployments.cluster.state import ExpiringSet
 from deployments.cluster.tp_ranks import Ranks, exit_on_failed_step
 from deployments.config import ServeConfig
 from deployments.engine_host import EngineHost, HostHooks
@@ -70,18 +71,14 @@ class AbortMarks:
     A mark no call takes (its call was refused meanwhile) goes after `ttl_s`. Caller holds the lock."""
 
     def __init__(self, ttl_s: float):
-        self.ttl_s = ttl_s
-        self._marks: dict[tuple[str, int | None], float] = {}
+        self._marks = ExpiringSet(ttl_s)  # (request id, attempt or None: every attempt)
 
     def add(self, request_id: str, attempt: int | None) -> None:
-        now = time.monotonic()
-        self._marks = {k: t for k, t in self._marks.items() if now - t < self.ttl_s}
-        self._marks[(request_id, attempt)] = now
+        self._marks.add((request_id, attempt))
 
     def take(self, req: GenRequest) -> bool:
         """Whether `req`'s attempt was aborted (either by attempt or as a whole); forgets the marks."""
-        return any([self._marks.pop((req.request_id, req.attempt), None) is not None,
-                    self._marks.pop((req.request_id, None), None) is not None])
+        return any([self._marks.take((req.request_id, req.attempt)), self._marks.take((req.request_id, None))])
 
     def __len__(self) -> int:
         return len(self._marks)

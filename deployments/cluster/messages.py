@@ -108,7 +108,8 @@ class DecodeReport:
     spec: SpecStats | None = None  # speculative decoding's counters since the worker started (for /health)
     num_steps: int = 0  # steps the worker has run
     # its reports' count (1, 2, ...): it covers every admission whose `Admission.report_seq` is below
-    # it. Reports may arrive out of order: one older than the router's is not counted. 0: not counted.
+    # it. Reports may arrive out of order: one older than the router's is not counted. 0: unnumbered
+    # (covers every admission)
     seq: int = 0
     # its KV pairs (kv_transfer/pair_stats.py: `PairBook.snapshot()`), only when they changed since the
     # previous report; None: unchanged

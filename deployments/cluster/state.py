@@ -9,7 +9,7 @@ import enum
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Hashable, NamedTuple
 
 from deployments.cluster.messages import DecodeReport, GenRequest, Role, WorkerInfo
 from deployments.cluster.prefix_index import PrefixIndex
@@ -138,15 +138,14 @@ class WorkerView:
             # NOTE: an admission's first block is the prompt's last, partly filled one the worker adds to
             self.taken.append(Taken(report_seq, need_blocks - 1, prefill_tokens))
 
-    def take_report(self, report: DecodeReport) -> bool:
+    def take_report(self, report: DecodeReport) -> None:
         """A decode report: its counts replace the last report's, and the admissions it covers are no
-        longer counted on top. False (counts unused) when a newer report arrived first."""
+        longer counted on top; unless a newer report arrived first (then its counts are not used)."""
         if report.seq and self.report is not None and report.seq <= self.report.seq:
-            return False
+            return
         self.report = report
-        # NOTE: an unnumbered report (seq 0: a worker of an older version, tests) covers them all
+        # NOTE: an unnumbered report (seq 0: tests' hand-made ones) covers them all
         self.taken = [t for t in self.taken if report.seq and t.report_seq >= report.seq]
-        return True
 
 
 @dataclass(slots=True)
@@ -176,30 +175,31 @@ class Counters:
     role_switches: int = 0  # begun (`--role-switching`)
 
 
-class EarlyAborts:
-    """Request ids whose abort reached the router before their `submit` did: Ray does not keep one
-    caller's calls to an async actor in order, so a client that leaves while its submit is on the way
-    can be heard leaving first. The submit that follows is dropped (`Router.submit`). An id is kept
-    `ttl_s`, and at most `max_ids` of them (ids are unique per request, so an id of a request that
-    ended long ago, which any late abort may leave here, is never submitted again)."""
+class ExpiringSet:
+    """Keys kept `ttl_s` seconds, at most `max_size` of them (the oldest go first): the marks of aborts
+    heard before what they abort. The router's (`RouterState.early_aborts`): request ids whose abort
+    arrived before their `submit` (Ray does not keep one caller's calls to an async actor in order);
+    the submit is dropped (`Router.submit`). A worker's (`engine_worker.AbortMarks`): attempts aborted
+    while the call bringing them was on its way. A mark nothing takes (any late abort of a request
+    that ended leaves one; ids are unique per request) just expires."""
 
-    def __init__(self, ttl_s: float = 60.0, max_ids: int = 65536):
-        self.ttl_s, self.max_ids = ttl_s, max_ids
-        self._ids: OrderedDict[str, float] = OrderedDict()
+    def __init__(self, ttl_s: float, max_size: int = 65536):
+        self.ttl_s, self.max_size = ttl_s, max_size
+        self._keys: OrderedDict[Hashable, float] = OrderedDict()
 
-    def add(self, request_id: str) -> None:
+    def add(self, key: Hashable) -> None:
         now = time.monotonic()
-        self._ids[request_id] = now
-        self._ids.move_to_end(request_id)
-        while self._ids and (len(self._ids) > self.max_ids or now - next(iter(self._ids.values())) > self.ttl_s):
-            self._ids.popitem(last=False)
+        self._keys[key] = now
+        self._keys.move_to_end(key)
+        while self._keys and (len(self._keys) > self.max_size or now - next(iter(self._keys.values())) >= self.ttl_s):
+            self._keys.popitem(last=False)
 
-    def take(self, request_id: str) -> bool:
-        """Whether `request_id` was aborted before it arrived (and forget that it was)."""
-        return self._ids.pop(request_id, None) is not None
+    def take(self, key: Hashable) -> bool:
+        """Whether `key` is here (and forget it)."""
+        return self._keys.pop(key, None) is not None
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._keys)
 
 
 class MoveRecord(NamedTuple):
@@ -244,7 +244,7 @@ class RouterState:
     tracked: dict[str, Tracked] = field(default_factory=dict)
     pending_decode: list[str] = field(default_factory=list)  # request ids waiting for a decode slot
     unplaced: list[str] = field(default_factory=list)  # request ids waiting for a prefill worker
-    early_aborts: EarlyAborts = field(default_factory=EarlyAborts)
+    early_aborts: ExpiringSet = field(default_factory=lambda: ExpiringSet(ttl_s=60.0))  # request ids
     counters: Counters = field(default_factory=Counters)
     moves: deque[MoveRecord] = field(default_factory=lambda: deque(maxlen=100))
     latencies: Latencies = field(default_factory=Latencies)

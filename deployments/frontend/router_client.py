@@ -42,7 +42,7 @@ class RouterBackend:
             self.hub.close(req.request_id)
             # NOTE: the submit may have reached the router (and been queued) all the same. Ray may run
             # this abort before it (an async actor's calls need not start in order): the router then
-            # keeps the id and drops the submit when it arrives (`EarlyAborts`).
+            # keeps the id and drops the submit when it arrives (`RouterState.early_aborts`).
             self.router.abort.remote(req.request_id)
             raise
         if not res.accepted:

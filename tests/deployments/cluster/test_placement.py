@@ -250,7 +250,7 @@ def test_a_finished_prefill_leaves_its_workers_queue(parts):
 
 def test_an_abort_of_an_untracked_request_is_kept_a_while_for_its_submit(monkeypatch):
     """An abort heard before its submit (Ray may reorder one caller's calls to the router) leaves the
-    id for the submit to find; ids go after `ttl_s`, and at most `max_ids` are kept."""
+    id for the submit to find; ids go after `ttl_s`, and at most `max_size` are kept."""
     parts = Parts()
     assert parts.placement.abort("early") == []
     assert parts.state.early_aborts.take("early") and not parts.state.early_aborts.take("early")
@@ -259,10 +259,10 @@ def test_an_abort_of_an_untracked_request_is_kept_a_while_for_its_submit(monkeyp
     parts.placement.abort("tracked")
     assert not parts.state.early_aborts.take("tracked")  # it was tracked: its abort did the work
 
-    from deployments.cluster.state import EarlyAborts
+    from deployments.cluster.state import ExpiringSet
     now = [1000.0]
     monkeypatch.setattr("deployments.cluster.state.time.monotonic", lambda: now[0])
-    marks = EarlyAborts(ttl_s=60.0, max_ids=3)
+    marks = ExpiringSet(ttl_s=60.0, max_size=3)
     for rid in "abcd":
         marks.add(rid)
     assert len(marks) == 3 and not marks.take("a")  # the oldest went
